@@ -1,0 +1,46 @@
+"""The absorbed MQA path: data-movement friendly, for requests with few new tokens.
+
+W_UK is folded into the query so that attention runs over the latent cache directly
+(one shared key/value row of L + R per token for all N heads); W_UV is applied to
+the [T, N, L] result afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.cache import LatentKVCache
+from pagedmla.metadata import DecodeMetadata
+from pagedmla.ops import Backend
+
+
+def absorbed_decode(
+    q: torch.Tensor,
+    W_UK: torch.Tensor,
+    W_UV: torch.Tensor,
+    cache: LatentKVCache,
+    meta: DecodeMetadata,
+    softmax_scale: float,
+    ops: Backend,
+) -> torch.Tensor:
+    """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> [Td, N, V]."""
+    P = W_UK.shape[1]
+    L = W_UK.shape[2]
+    q_nope, q_pe = q[..., :P], q[..., P:]
+    q_mqa = torch.empty(q.shape[0], q.shape[1], L + q_pe.shape[-1], dtype=q.dtype, device=q.device)
+    # [N, Td, P] @ [N, P, L], written straight into the token-major query buffer.
+    torch.bmm(q_nope.transpose(0, 1), W_UK, out=q_mqa[..., :L].transpose(0, 1))
+    q_mqa[..., L:] = q_pe
+    latent_out, _ = ops.mla_decode(
+        q_mqa,
+        cache.data,
+        cache.scale,
+        meta.block_table,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        meta.max_seq_len,
+        L,
+        softmax_scale,
+    )
+    return torch.bmm(latent_out.transpose(0, 1), W_UV).transpose(0, 1)

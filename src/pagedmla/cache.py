@@ -1,0 +1,102 @@
+"""The paged latent KV cache: one row of L + R values per token, in blocks of pages."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+_FP8_NAMES = ("fp8", "fp8_e4m3")
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_cache_dtype(kv_cache_dtype: str | torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """Map a kv-cache dtype name to the storage dtype.
+
+    "auto" is the model dtype; "fp8", "fp8_e4m3" and torch.float8_e4m3fn are fp8 e4m3.
+    Anything else is rejected rather than silently stored in another format.
+    """
+    if dtype not in MODEL_DTYPES:
+        raise TypeError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in _FP8_NAMES or kv_cache_dtype == FP8_DTYPE:
+        return FP8_DTYPE
+    if isinstance(kv_cache_dtype, torch.dtype) and kv_cache_dtype in MODEL_DTYPES:
+        return kv_cache_dtype
+    raise ValueError(
+        "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3', torch.float8_e4m3fn or a model "
+        f"dtype {MODEL_DTYPES}, got {kv_cache_dtype!r}"
+    )
+
+
+class LatentKVCache:
+    """Paged storage for the latents of one MLA layer.
+
+    `data` is [num_blocks, block_size, L + R]: `data[b, i, :L]` is the normalised latent
+    kv_c of the token in slot b * block_size + i and `data[b, i, L:]` its rotated k_pe.
+    With an fp8 cache, one float32 per-tensor `scale` covers latent and rope alike
+    (they share a row): stored = x / scale, read = stored * scale.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        scale: float = 1.0,
+    ) -> None:
+        for name, value, low in (
+            ("num_blocks", num_blocks, 1),
+            ("block_size", block_size, 1),
+            ("kv_lora_rank", kv_lora_rank, 1),
+            ("rope_dim", rope_dim, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        scale = float(scale)
+        if not (scale > 0.0 and scale < float("inf")):
+            raise ValueError(f"scale must be a finite positive number, got {scale}")
+        self.dtype = dtype
+        self.cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
+        self.device = torch.device(device)
+        self.data = torch.zeros(
+            num_blocks, block_size, kv_lora_rank + rope_dim, dtype=self.cache_dtype,
+            device=self.device,
+        )
+        self.scale = torch.tensor(scale if self.is_fp8 else 1.0, dtype=torch.float32,
+                                  device=self.device)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.cache_dtype == FP8_DTYPE
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def width(self) -> int:
+        """L + R."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @staticmethod
+    def bytes_per_token(kv_lora_rank: int, rope_dim: int, cache_dtype: torch.dtype) -> int:
+        """Bytes one token occupies in one layer's cache (for sizing the cache)."""
+        return (kv_lora_rank + rope_dim) * torch.empty((), dtype=cache_dtype).element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"LatentKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"L={self.kv_lora_rank}, R={self.rope_dim}, dtype={self.cache_dtype}, "
+            f"device={self.device})"
+        )

@@ -1,0 +1,453 @@
+"""From a scheduled batch (host ints) to the per-step attention metadata.
+
+`MLAMetadataBuilder.build(BatchSpec)` splits the batch into decode rows (absorbed MQA
+path) and prefill rows (MHA path), and plans the chunked context of the prefills.
+All planning happens on the host from Python ints; the integer tensors the kernels
+need travel to the device in two copies per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedmla.dims import MLADims
+from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
+
+
+@dataclass
+class BatchSpec:
+    """One scheduled step, on the host.
+
+    query_lens[b]: new tokens of request b this step; seq_lens[b]: its tokens after the
+    step (context C = seq_len - query_len). block_table: int32 [B, max_blocks] on the
+    CPU; slot_mapping: int64 [T] on the CPU, the cache slot of each new token (-1: no
+    write). Requests with query_len <= decode_threshold come first.
+    """
+
+    query_lens: Sequence[int]
+    seq_lens: Sequence[int]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class Workspace:
+    """Scratch rows for gathered context, shared by every layer of a model.
+
+    Allocated on first use for a (width, dtype) pair, then reused every step.
+    """
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.rows = rows
+        self.device = device
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, width] buffer; its contents are whatever the last user left."""
+        key = (width, dtype)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(self.rows, width, dtype=dtype, device=self.device)
+        return self._buffers[key]
+
+
+@dataclass
+class DecodeMetadata:
+    """The first num_decodes requests: absorbed MQA over the paged cache.
+
+    block_table [Bd, max_blocks] int32; seq_lens [Bd] int32; query_start_loc [Bd + 1]
+    int32 (token offsets, bottom-right causal inside each request).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class ContextChunk:
+    """One workspace-sized slice of paged context for a run of prefills.
+
+    Indices are relative to the prefill part of the batch. The chunk gathers, for each
+    covered request j, context rows [starts[j], starts[j] + seq_lens[j]) into workspace
+    rows [cu_seq_lens[j], cu_seq_lens[j + 1]); the queries are the tokens token_slice.
+    """
+
+    index: int
+    request_slice: slice
+    token_slice: slice
+    continuation_token_end: int
+    is_continuation: bool
+    starts_list: tuple[int, ...]
+    seq_lens_list: tuple[int, ...]
+    num_context_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    starts: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    token_to_seq: torch.Tensor
+
+
+@dataclass
+class ChunkedContext:
+    """All context chunks of the prefills, and the prefills that have no context."""
+
+    context_lens: list[int]
+    chunks: list[ContextChunk]
+    empty_token_slices: list[slice]
+    workspace: Workspace
+
+
+@dataclass
+class PrefillMetadata:
+    """Requests after the decodes: MHA over new tokens, then over context chunks.
+
+    block_table [Bp, max_blocks] int32; query_start_loc [Bp + 1] int32, relative to the
+    first prefill token.
+    """
+
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    max_query_len: int
+    context: ChunkedContext | None
+
+
+@dataclass
+class MLAMetadata:
+    """Everything one MLA layer needs for a step; T tokens, decodes first."""
+
+    num_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    block_size: int
+    kv_lora_rank: int
+    rope_dim: int
+    slot_mapping: torch.Tensor
+    max_slot: int
+    max_block: int
+    device: torch.device
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+    def describe(self) -> str:
+        """A human-readable batch plan: which rows are decode, how context was chunked."""
+        lines = [
+            f"{self.num_tokens} tokens: {self.num_decodes} decode requests "
+            f"({self.num_decode_tokens} tokens), {self.num_prefills} prefills "
+            f"({self.num_prefill_tokens} tokens)"
+        ]
+        if self.prefill is not None and self.prefill.context is not None:
+            ctx = self.prefill.context
+            lines.append(
+                f"context of prefills {ctx.context_lens} in {len(ctx.chunks)} chunks of at most "
+                f"{ctx.workspace.rows} rows"
+            )
+            for chunk in ctx.chunks:
+                spans = ", ".join(
+                    f"r{self.num_decodes + chunk.request_slice.start + j}"
+                    f"[{s}:{s + n}]"
+                    for j, (s, n) in enumerate(zip(chunk.starts_list, chunk.seq_lens_list))
+                )
+                tag = " (continuation)" if chunk.is_continuation else ""
+                lines.append(f"  chunk {chunk.index}: {chunk.num_context_tokens} rows {spans}{tag}")
+        return "\n".join(lines)
+
+
+class _Int32Upload:
+    """Collects host int32 arrays and moves them to the device in one copy."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+
+    def add(self, values: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        array = np.asarray(values, dtype=np.int32).reshape(-1)
+        self._parts.append(array)
+        self._size += array.size
+        return self._size - array.size, array.size
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        host = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
+        return torch.from_numpy(host).to(device, non_blocking=True)
+
+
+def _int_list(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
+        out.append(int(v))
+    return out
+
+
+def _check_host_tensor(name: str, tensor: object, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the host (cpu), got {tensor.device}")
+    return tensor
+
+
+class MLAMetadataBuilder:
+    """Builds MLAMetadata for one attention configuration.
+
+    workspace_rows (W) bounds the context rows gathered at once (None: the default rule
+    of `determine_workspace_rows` from max_model_len and max_num_seqs); it must hold at
+    least one page. decode_threshold: requests with query_len <= this take the decode
+    path (> 1 enables multi-token decode, bottom-right causal).
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        workspace_rows: int | None = None,
+        decode_threshold: int = 1,
+        max_model_len: int = 8192,
+        max_num_seqs: int = 256,
+    ) -> None:
+        if not isinstance(dims, MLADims):
+            raise TypeError(f"dims must be MLADims, got {type(dims).__name__}")
+        for name, value in (("block_size", block_size), ("decode_threshold", decode_threshold)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if workspace_rows is None:
+            workspace_rows = determine_workspace_rows(max_model_len, max_num_seqs, block_size)
+        elif isinstance(workspace_rows, bool) or not isinstance(workspace_rows, int):
+            raise TypeError(f"workspace_rows must be an int or None, got {workspace_rows!r}")
+        if workspace_rows < block_size:
+            raise ValueError(
+                f"workspace_rows ({workspace_rows}) must be at least the block size "
+                f"({block_size}): a split context chunk advances in whole pages"
+            )
+        self.dims = dims
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.decode_threshold = decode_threshold
+        self.workspace = Workspace(workspace_rows, self.device)
+
+    @property
+    def workspace_rows(self) -> int:
+        return self.workspace.rows
+
+    def build(self, spec: BatchSpec) -> MLAMetadata:
+        query_lens = _int_list("query_lens", spec.query_lens)
+        seq_lens = _int_list("seq_lens", spec.seq_lens)
+        block_table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
+        slot_mapping = _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
+        num_reqs = len(query_lens)
+        self._validate(query_lens, seq_lens, block_table, slot_mapping)
+        num_tokens = sum(query_lens)
+
+        num_decodes = 0
+        while num_decodes < num_reqs and query_lens[num_decodes] <= self.decode_threshold:
+            num_decodes += 1
+        for b in range(num_decodes, num_reqs):
+            if query_lens[b] <= self.decode_threshold:
+                raise ValueError(
+                    f"requests must be ordered decodes first: request {b} has query_len "
+                    f"{query_lens[b]} <= decode_threshold {self.decode_threshold} but follows a "
+                    f"prefill (query_lens {query_lens})"
+                )
+        num_decode_tokens = sum(query_lens[:num_decodes])
+        query_start_loc = list(itertools.accumulate(query_lens, initial=0))
+
+        upload = _Int32Upload()
+        table_handle = upload.add(block_table.numpy())
+        decode_handles = prefill_handles = None
+        if num_decodes:
+            decode_handles = (
+                upload.add(seq_lens[:num_decodes]),
+                upload.add(query_start_loc[: num_decodes + 1]),
+            )
+        plans: list[ContextChunkPlan] = []
+        context_lens: list[int] = []
+        if num_decodes < num_reqs:
+            prefill_qsl = [q - num_decode_tokens for q in query_start_loc[num_decodes:]]
+            context_lens = [
+                s - q for s, q in zip(seq_lens[num_decodes:], query_lens[num_decodes:])
+            ]
+            plans = plan_context_chunks(
+                context_lens,
+                row_budget=self.workspace.rows,
+                max_context_chunk=self.workspace.rows // self.block_size * self.block_size,
+                split_alignment=self.block_size,
+            )
+            prefill_handles = (upload.add(prefill_qsl), [self._chunk_arrays(upload, p, prefill_qsl)
+                                                         for p in plans])
+        packed = upload.upload(self.device)
+
+        def view(handle: tuple[int, int]) -> torch.Tensor:
+            return packed[handle[0] : handle[0] + handle[1]]
+
+        table = view(table_handle).view(block_table.shape)
+        decode = None
+        if decode_handles is not None:
+            decode = DecodeMetadata(
+                block_table=table[:num_decodes],
+                seq_lens=view(decode_handles[0]),
+                query_start_loc=view(decode_handles[1]),
+                max_query_len=max(query_lens[:num_decodes]),
+                max_seq_len=max(seq_lens[:num_decodes]),
+            )
+        prefill = None
+        if prefill_handles is not None:
+            prefill = self._prefill_metadata(
+                table[num_decodes:], view, prefill_handles, prefill_qsl, plans,
+                query_lens[num_decodes:], seq_lens[num_decodes:], context_lens,
+            )
+        slots = slot_mapping.to(self.device, non_blocking=True)
+        max_block = 0
+        for b in range(num_reqs):
+            used = -(-seq_lens[b] // self.block_size)
+            if used:
+                max_block = max(max_block, int(block_table[b, :used].max()))
+        return MLAMetadata(
+            num_tokens=num_tokens,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_reqs - num_decodes,
+            num_prefill_tokens=num_tokens - num_decode_tokens,
+            block_size=self.block_size,
+            kv_lora_rank=self.dims.kv_lora_rank,
+            rope_dim=self.dims.qk_rope_head_dim,
+            slot_mapping=slots,
+            max_slot=int(slot_mapping.max()) if num_tokens else -1,
+            max_block=max_block,
+            device=self.device,
+            decode=decode,
+            prefill=prefill,
+        )
+
+    def _validate(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_reqs = len(query_lens)
+        if num_reqs == 0:
+            raise ValueError("a batch needs at least one request, got query_lens []")
+        if len(seq_lens) != num_reqs:
+            raise ValueError(
+                f"seq_lens has {len(seq_lens)} entries, expected one per request ({num_reqs})"
+            )
+        for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            if q < 1:
+                raise ValueError(f"query_lens[{b}] must be >= 1, got {q}")
+            if s < q:
+                raise ValueError(f"query_len {q} > seq_len {s} for request {b}")
+        if block_table.shape[0] != num_reqs:
+            raise ValueError(
+                f"block_table has {block_table.shape[0]} rows, expected {num_reqs} (one per "
+                "request)"
+            )
+        capacity = block_table.shape[1] * self.block_size
+        longest = max(seq_lens)
+        if longest > capacity:
+            raise ValueError(
+                f"block_table is too short: {block_table.shape[1]} blocks of {self.block_size} "
+                f"hold {capacity} tokens, but a request has seq_len {longest}"
+            )
+        for b, s in enumerate(seq_lens):
+            used = -(-s // self.block_size)
+            if used and int(block_table[b, :used].min()) < 0:
+                raise ValueError(f"block_table[{b}] has a negative block id among its {used} used")
+        num_tokens = sum(query_lens)
+        if slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.shape[0]} entries, expected {num_tokens} (one "
+                "per new token)"
+            )
+        if num_tokens and int(slot_mapping.min()) < -1:
+            raise ValueError(
+                f"slot_mapping holds {int(slot_mapping.min())}; slots are >= 0, or -1 for no write"
+            )
+
+    @staticmethod
+    def _chunk_arrays(
+        upload: _Int32Upload, plan: ContextChunkPlan, prefill_qsl: list[int]
+    ) -> tuple[tuple[int, int], ...]:
+        base = prefill_qsl[plan.request_start]
+        return (
+            upload.add(plan.starts),
+            upload.add(list(itertools.accumulate(plan.seq_lens, initial=0))),
+            upload.add(
+                [prefill_qsl[r] - base for r in range(plan.request_start, plan.request_end + 1)]
+            ),
+            upload.add(np.repeat(np.arange(len(plan.seq_lens), dtype=np.int32), plan.seq_lens)),
+        )
+
+    def _prefill_metadata(
+        self,
+        block_table: torch.Tensor,
+        view,
+        handles,
+        prefill_qsl: list[int],
+        plans: list[ContextChunkPlan],
+        query_lens: list[int],
+        seq_lens: list[int],
+        context_lens: list[int],
+    ) -> PrefillMetadata:
+        qsl_handle, chunk_handles = handles
+        context = None
+        if plans:
+            chunks = []
+            for index, (plan, arrays) in enumerate(zip(plans, chunk_handles)):
+                starts, cu_seq_lens, chunk_qsl, token_to_seq = (view(h) for h in arrays)
+                chunks.append(
+                    ContextChunk(
+                        index=index,
+                        request_slice=slice(plan.request_start, plan.request_end),
+                        token_slice=slice(
+                            prefill_qsl[plan.request_start], prefill_qsl[plan.request_end]
+                        ),
+                        continuation_token_end=prefill_qsl[plan.request_start + 1],
+                        is_continuation=plan.is_continuation,
+                        starts_list=plan.starts,
+                        seq_lens_list=plan.seq_lens,
+                        num_context_tokens=plan.num_rows,
+                        max_query_len=max(query_lens[plan.request_start : plan.request_end]),
+                        max_seq_len=max(plan.seq_lens),
+                        starts=starts,
+                        cu_seq_lens=cu_seq_lens,
+                        query_start_loc=chunk_qsl,
+                        token_to_seq=token_to_seq,
+                    )
+                )
+            context = ChunkedContext(
+                context_lens=context_lens,
+                chunks=chunks,
+                empty_token_slices=[
+                    slice(prefill_qsl[i], prefill_qsl[i + 1])
+                    for i, c in enumerate(context_lens)
+                    if c == 0
+                ],
+                workspace=self.workspace,
+            )
+        return PrefillMetadata(
+            block_table=block_table,
+            query_start_loc=view(qsl_handle),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            max_query_len=max(query_lens),
+            context=context,
+        )

@@ -1,0 +1,69 @@
+"""Kernels behind a small registry: one function per op, one implementation per backend.
+
+`reference` (plain PyTorch) runs everywhere and is the oracle for the others; faster
+backends register themselves under their own name. `auto` picks the fastest backend
+available for a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedmla.ops import reference
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The ops one MLA step needs (signatures as in `pagedmla.ops.reference`)."""
+
+    name: str
+    write_cache: Callable[..., None]
+    gather_cache: Callable[..., None]
+    mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    merge_attn_states: Callable[..., None]
+
+
+REFERENCE = Backend(
+    name="reference",
+    write_cache=reference.write_cache,
+    gather_cache=reference.gather_cache,
+    mla_decode=reference.mla_decode,
+    varlen_attention=reference.varlen_attention,
+    merge_attn_states=reference.merge_attn_states,
+)
+
+_LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}
+# Preference order for backend="auto" on CUDA devices.
+_CUDA_PREFERENCE: list[str] = []
+
+
+def register_backend(
+    name: str, loader: Callable[[], Backend], prefer_on_cuda: bool = False
+) -> None:
+    """Make a backend selectable by name; `loader` imports it on first use."""
+    _LOADERS[name] = loader
+    if prefer_on_cuda and name not in _CUDA_PREFERENCE:
+        _CUDA_PREFERENCE.append(name)
+
+
+def available_backends() -> list[str]:
+    return ["auto", *_LOADERS]
+
+
+def get_backend(name: str, device: torch.device | str) -> Backend:
+    """The backend called `name`, or for "auto" the best one for `device`."""
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            for candidate in _CUDA_PREFERENCE:
+                try:
+                    return _LOADERS[candidate]()
+                except ImportError:
+                    continue
+        return REFERENCE
+    if name not in _LOADERS:
+        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
+    return _LOADERS[name]()

@@ -1,0 +1,208 @@
+"""The executable specification of every kernel: plain PyTorch, CPU and CUDA.
+
+Each function computes in float32 (whatever the input dtype) and writes results in
+the caller's dtype. Shapes use the symbols of DESIGN.md; lse is natural-log, float32,
+heads first ([N, T]); a query row that sees no key gets output 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.cache import FP8_DTYPE
+
+# Query rows per attention block: bounds the [N, rows, S] score matrix in memory.
+_SCORE_ELEMENTS = 1 << 26
+
+
+def _read_rows(data: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Cache rows at `slots` as float32, dequantized when the cache is fp8."""
+    rows = data.view(-1, data.shape[-1])[slots].float()
+    if data.dtype == FP8_DTYPE:
+        rows = rows * scale
+    return rows
+
+
+def write_cache(
+    data: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Store [kv_c | k_pe] ([T, L], [T, R]) at the slots of slot_mapping [T] (-1: skip)."""
+    keep = slot_mapping >= 0
+    rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
+    if data.dtype == FP8_DTYPE:
+        limit = torch.finfo(FP8_DTYPE).max
+        rows = (rows.float() / scale).clamp(-limit, limit)
+    data.view(-1, data.shape[-1])[slot_mapping[keep]] = rows.to(data.dtype)
+
+
+def gather_cache(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block_table: torch.Tensor,
+    starts: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Copy context rows of a chunk into `out` [rows, L + R], dequantizing fp8.
+
+    Request j of the chunk contributes positions [starts[j], starts[j] + n_j) of its
+    context (block_table[j]) to out rows [cu_seq_lens[j], cu_seq_lens[j + 1]).
+    """
+    seq = token_to_seq.long()
+    row = torch.arange(out.shape[0], device=out.device)
+    position = starts.long()[seq] + row - cu_seq_lens.long()[seq]
+    block_size = data.shape[1]
+    blocks = block_table.long()[seq, position // block_size]
+    out.copy_(_read_rows(data, blocks * block_size + position % block_size, scale))
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention of float32 q [..., M, D] against k [..., S, D].
+
+    allowed [..., M, S] (broadcastable); returns out [..., M, Dv] and lse [..., M].
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(scores - safe_lse.unsqueeze(-1))
+    return torch.matmul(probs, v), lse
+
+
+def mla_decode(
+    q: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    kv_lora_rank: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MQA over the paged latent cache.
+
+    q [T, N, L + R]; the keys are whole cache rows [L + R], the values their first L
+    columns. Token i of request b (q_len_b tokens) sees positions
+    < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] in q's dtype, lse [N, T].
+    """
+    num_tokens, num_heads, width = q.shape
+    num_reqs = seq_lens.shape[0]
+    block_size = data.shape[1]
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    token_req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=q.device), q_lens, output_size=num_tokens
+    )
+    token_idx = torch.arange(num_tokens, device=q.device) - qsl[token_req]
+
+    # Pad every request to [max_query_len] queries and [max_seq_len] keys.
+    q_pad = q.new_zeros(num_reqs, max_query_len, num_heads, width, dtype=torch.float32)
+    q_pad[token_req, token_idx] = q.float()
+    position = torch.arange(max_seq_len, device=q.device)
+    valid = position.unsqueeze(0) < seq_lens.long().unsqueeze(1)  # [B, S]
+    blocks = block_table.long()[:, position // block_size]
+    slots = (blocks * block_size + position % block_size).clamp(0, data.shape[0] * block_size - 1)
+    # Rows past a request's length may hold anything (NaN included): zero them.
+    kv = torch.where(valid.unsqueeze(-1), _read_rows(data, slots, scale), 0.0)  # [B, S, L+R]
+
+    query_pos = seq_lens.long().view(-1, 1) - q_lens.view(-1, 1) + torch.arange(
+        max_query_len, device=q.device
+    )  # [B, Q]: the position of each query token
+    allowed = (position.view(1, 1, -1) <= query_pos.unsqueeze(-1)) & valid.unsqueeze(1)
+    out, lse = _attend(
+        q_pad.transpose(1, 2),  # [B, N, Q, L+R]
+        kv.unsqueeze(1),
+        kv[..., :kv_lora_rank].unsqueeze(1),
+        allowed.unsqueeze(1),
+        softmax_scale,
+    )  # out [B, N, Q, L], lse [B, N, Q]
+    out = out.transpose(1, 2)[token_req, token_idx].to(q.dtype)
+    lse = lse.transpose(1, 2)[token_req, token_idx].transpose(0, 1).contiguous()
+    return out, lse
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length MHA with log-sum-exp.
+
+    q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv]; sequence j has queries
+    cu_seqlens_q[j]:cu_seqlens_q[j+1] and keys cu_seqlens_k[j]:cu_seqlens_k[j+1].
+    causal: bottom-right aligned (query i of q_len sees keys < k_len - q_len + i + 1).
+    Returns out [Tq, N, Dv] in q's dtype and lse [N, Tq] float32.
+    """
+    num_heads = q.shape[1]
+    out = q.new_empty(q.shape[0], num_heads, v.shape[-1])
+    lse = torch.empty(num_heads, q.shape[0], dtype=torch.float32, device=q.device)
+    bounds_q = cu_seqlens_q.tolist()
+    bounds_k = cu_seqlens_k.tolist()
+    for j in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[j], bounds_q[j + 1], bounds_k[j], bounds_k[j + 1]
+        keys = k[k0:k1].float().transpose(0, 1)  # [N, Sk, D]
+        values = v[k0:k1].float().transpose(0, 1)
+        step = max(1, _SCORE_ELEMENTS // max(1, num_heads * (k1 - k0)))
+        for r0 in range(q0, q1, step):
+            r1 = min(q1, r0 + step)
+            rows = torch.arange(r0 - q0, r1 - q0, device=q.device)
+            allowed = torch.ones(r1 - r0, k1 - k0, dtype=torch.bool, device=q.device)
+            if causal:
+                limit = (k1 - k0) - (q1 - q0) + rows + 1
+                allowed = torch.arange(k1 - k0, device=q.device) < limit.unsqueeze(1)
+            block_out, block_lse = _attend(
+                q[r0:r1].float().transpose(0, 1), keys, values, allowed, softmax_scale
+            )
+            out[r0:r1] = block_out.transpose(0, 1).to(out.dtype)
+            lse[:, r0:r1] = block_lse
+    return out, lse
+
+
+def merge_attn_states(
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> None:
+    """Combine two partial softmax results over disjoint key sets into `output`.
+
+    outputs [T, N, D], lse [N, T]. An lse of -inf or +inf marks an empty partial
+    (output 0); two empties give (0, -inf). `output` may alias either input.
+    """
+    lse_p = prefix_lse.float().transpose(0, 1).unsqueeze(-1)  # [T, N, 1]
+    lse_s = suffix_lse.float().transpose(0, 1).unsqueeze(-1)
+    neg_inf = torch.tensor(float("-inf"), device=lse_p.device)
+    lse_p = torch.where(lse_p == float("inf"), neg_inf, lse_p)
+    lse_s = torch.where(lse_s == float("inf"), neg_inf, lse_s)
+    peak = torch.maximum(lse_p, lse_s)
+    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    w_p = torch.exp(lse_p - safe_peak)
+    w_s = torch.exp(lse_s - safe_peak)
+    total = w_p + w_s
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    # where() rather than multiplication: an empty partial's output is not trusted.
+    merged = torch.where(w_p > 0, prefix_output.float() * w_p, 0.0) + torch.where(
+        w_s > 0, suffix_output.float() * w_s, 0.0
+    )
+    merged = merged / denom
+    merged_lse = torch.where(total > 0, safe_peak + torch.log(denom), neg_inf)
+    output.copy_(merged.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_(merged_lse.squeeze(-1).transpose(0, 1))
