@@ -1,5 +1,7 @@
 """pagedmla: DeepSeek-style Multi-head Latent Attention for inference."""
 
+from typing import Any
+
 from pagedmla.attention import MLAAttention
 from pagedmla.cache import LatentKVCache
 from pagedmla.dims import MLADims, softmax_scale
@@ -8,13 +10,25 @@ from pagedmla.metadata import BatchSpec, MLAMetadata, MLAMetadataBuilder
 from pagedmla.planner import plan_context_chunks
 
 __all__ = [
+    "LLM",
     "BatchSpec",
     "LatentKVCache",
     "MLAAttention",
     "MLADims",
     "MLAMetadata",
     "MLAMetadataBuilder",
+    "SamplingParams",
     "merge_attn_states",
     "plan_context_chunks",
     "softmax_scale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The engine pulls in the model and loader; users of the attention layer alone
+    # should not pay for importing them.
+    if name in ("LLM", "SamplingParams"):
+        from pagedmla import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'pagedmla' has no attribute {name!r}")

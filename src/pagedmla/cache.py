@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedmla.device import resolve_device
+
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_NAMES = ("fp8", "fp8_e4m3")
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,7 +70,7 @@ class LatentKVCache:
         self.block_size = block_size
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.data = torch.zeros(
             num_blocks, block_size, kv_lora_rank + rope_dim, dtype=self.cache_dtype,
             device=self.device,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedmla.device import resolve_device
 from pagedmla.dims import MLADims
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
 
@@ -239,7 +240,7 @@ class MLAMetadataBuilder:
             )
         self.dims = dims
         self.block_size = block_size
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.decode_threshold = decode_threshold
         self.workspace = Workspace(workspace_rows, self.device)
 

@@ -50,10 +50,10 @@ class MLAAttention(nn.Module):
         )
         get_backend(backend, "cpu")  # reject unknown names now, not at the first step
         self.backend = backend
-        N, L, P, V = dims.num_heads, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.v_head_dim
-        self.register_buffer("kv_b_proj", torch.empty(N * (P + V), L), persistent=False)
-        self.register_buffer("W_UK", torch.empty(N, P, L), persistent=False)
-        self.register_buffer("W_UV", torch.empty(N, L, V), persistent=False)
+        # Empty until set_kv_b_proj: a model builds its layers before loading weights.
+        self.register_buffer("kv_b_proj", torch.empty(0), persistent=False)
+        self.register_buffer("W_UK", torch.empty(0), persistent=False)
+        self.register_buffer("W_UV", torch.empty(0), persistent=False)
         if kv_b_proj is not None:
             self.set_kv_b_proj(kv_b_proj)
 
@@ -113,6 +113,8 @@ class MLAAttention(nn.Module):
             raise TypeError(f"meta must be MLAMetadata, got {type(meta).__name__}")
         if not isinstance(cache, LatentKVCache):
             raise TypeError(f"cache must be a LatentKVCache, got {type(cache).__name__}")
+        if self.kv_b_proj.numel() == 0:
+            raise RuntimeError("MLAAttention has no kv_b_proj weight yet: call set_kv_b_proj")
         T = meta.num_tokens
         _expect_tensor("q", q, (T, d.num_heads, d.qk_head_dim))
         _expect_tensor("kv_c_normed", kv_c_normed, (T, d.kv_lora_rank))

@@ -1,0 +1,228 @@
+"""Paged-cache block allocation: reference counts, a free list, and prefix caching.
+
+Block 0 is the null block: it is never handed out, so block tables can be padded
+with 0 and slot ``-1`` writes land nowhere real. Usable blocks are 1..num_blocks-1.
+
+Prefix caching: once a block is full of computed tokens it is registered under a
+chained hash of (parent block's hash, the block's token ids), so another request
+whose tokens start the same way can reuse its latents. A hash is only an index:
+a hit is accepted when the cached block's own tokens are equal AND its parent is
+exactly the block matched just before it (compared by a content id that is never
+reused), so a hash collision can cost a hit but never hand out wrong latents.
+A registered block whose last reference goes stays cached ("evictable"); it is
+reused for other content only when no plain free block is left, least recently
+freed first, and then its registration is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from pagedmla.engine.sequence import Sequence
+
+NULL_BLOCK = 0
+_ROOT_CONTENT_ID = 0  # the "parent" of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained identity of a full block: its parent's hash (None for the first block) and tokens."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(frozen=True)
+class _CachedContent:
+    """What a registered block holds, enough to verify a hash hit exactly."""
+
+    content_id: int
+    block_hash: int
+    parent_content_id: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Chain:
+    """How many leading blocks of a sequence are matched or registered, and the last link."""
+
+    num_blocks: int = 0
+    last_hash: int | None = None
+    last_content_id: int = _ROOT_CONTENT_ID
+
+
+class BlockManager:
+    """Hands out cache blocks to sequences and shares full blocks between equal prefixes."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))  # unreferenced, not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; LRU first
+        self._cached: dict[int, _CachedContent] = {}  # block id -> registered content
+        self._by_hash: dict[int, int] = {}  # block hash -> block id
+        self._chains: dict[int, _Chain] = {}  # seq_id -> prefix-caching progress
+        self._next_content_id = _ROOT_CONTENT_ID + 1
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that could be allocated now, evictable cached ones included."""
+        return len(self._free) + len(self._evictable)
+
+    def ref_count(self, block_id: int) -> int:
+        """Number of sequences whose block table holds ``block_id``."""
+        return self._ref_counts[block_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Reuse cached blocks for the longest cached prefix of a newly scheduled sequence.
+
+        Takes a reference on each matched block, appends it to ``seq.block_table``, sets
+        ``seq.num_computed_tokens`` to the tokens covered and returns that number. At least
+        one token is left to compute, because the model needs a fed token to produce logits.
+        """
+        if seq.num_computed_tokens != 0 or seq.block_table:
+            raise RuntimeError(f"match_prefix needs a sequence with no cache state, got {seq!r}")
+        if not self.enable_prefix_caching:
+            return 0
+        chain = _Chain()
+        self._chains[seq.seq_id] = chain
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for index in range(max_blocks):
+            tokens = self._block_tokens(seq, index)
+            block_hash = hash_block_tokens(chain.last_hash, tokens)
+            block = self._lookup(block_hash, chain.last_content_id, tokens)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            seq.block_table.append(block)
+            self._advance(chain, self._cached[block])
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``append_slots(seq, num_new_tokens)`` would find enough blocks."""
+        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq.block_table`` to cover ``num_computed_tokens + num_new_tokens`` tokens."""
+        missing = self._num_missing_blocks(seq, num_new_tokens)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(
+                f"out of cache blocks: {seq!r} needs {missing} more for {num_new_tokens} new "
+                f"tokens, {self.num_free_blocks} free (call can_append first)"
+            )
+        for _ in range(missing):
+            seq.block_table.append(self._allocate())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register every block of ``seq`` now full of computed tokens, for later reuse."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._chains.setdefault(seq.seq_id, _Chain())
+        while chain.num_blocks < seq.num_computed_tokens // self.block_size:
+            block = seq.block_table[chain.num_blocks]
+            content = self._cached.get(block)
+            if content is None:
+                tokens = self._block_tokens(seq, chain.num_blocks)
+                block_hash = hash_block_tokens(chain.last_hash, tokens)
+                twin = self._lookup(block_hash, chain.last_content_id, tokens)
+                if twin is not None:
+                    # Another request computed the same content first (same step): chain
+                    # through its registration; this block stays private and is freed plainly.
+                    content = self._cached[twin]
+                else:
+                    content = self._register(block, block_hash, chain.last_content_id, tokens)
+            self._advance(chain, content)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references and clear its block table.
+
+        Tail blocks are released first, so among cached blocks they are evicted first
+        (a later request is likelier to share the head of a prompt than its tail).
+        """
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            assert self._ref_counts[block] >= 0, f"block {block} freed more often than taken"
+            if self._ref_counts[block] == 0:
+                if block in self._cached:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._chains.pop(seq.seq_id, None)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Flat cache slot of token ``position`` of ``seq``."""
+        block = seq.block_table[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(seq.token_ids[start : start + self.block_size])
+
+    def _lookup(
+        self, block_hash: int, parent_content_id: int, tokens: tuple[int, ...]
+    ) -> int | None:
+        block = self._by_hash.get(block_hash)
+        if block is None:
+            return None
+        content = self._cached[block]
+        if content.parent_content_id != parent_content_id or content.token_ids != tokens:
+            return None  # a hash collision: same index, different content
+        return block
+
+    def _register(
+        self, block: int, block_hash: int, parent_content_id: int, tokens: tuple[int, ...]
+    ) -> _CachedContent:
+        displaced = self._by_hash.get(block_hash)
+        if displaced is not None:
+            # A colliding, different content holds this hash: the newest registration wins.
+            self._uncache(displaced)
+        content = _CachedContent(self._next_content_id, block_hash, parent_content_id, tokens)
+        self._next_content_id += 1
+        self._cached[block] = content
+        self._by_hash[block_hash] = block
+        return content
+
+    def _uncache(self, block: int) -> None:
+        content = self._cached.pop(block)
+        if self._by_hash.get(content.block_hash) == block:
+            del self._by_hash[content.block_hash]
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+
+    def _allocate(self) -> int:
+        if not self._free:
+            # Evict the least recently freed cached block; _uncache moves it to the free list.
+            self._uncache(next(iter(self._evictable)))
+        block = self._free.popleft()
+        self._ref_counts[block] = 1
+        return block
+
+    @staticmethod
+    def _advance(chain: _Chain, content: _CachedContent) -> None:
+        chain.num_blocks += 1
+        chain.last_hash = content.block_hash
+        chain.last_content_id = content.content_id

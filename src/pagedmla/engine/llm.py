@@ -1,0 +1,254 @@
+"""`LLM`: the offline engine. Prompts in, completions out, over a paged latent cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedmla.cache import LatentKVCache, resolve_cache_dtype
+from pagedmla.device import resolve_device
+from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.sampler import sample
+from pagedmla.engine.sampling_params import SamplingParams
+from pagedmla.engine.scheduler import Scheduler
+from pagedmla.engine.sequence import Sequence
+from pagedmla.metadata import MLAMetadataBuilder
+from pagedmla.models.loader import load_model
+
+# Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
+_CPU_CACHE_TOKENS = 64 * 1024
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion: token ids, decoded text, per-step logprobs."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+@dataclass
+class EngineStats:
+    """Counters of the last generate() call, for throughput reports."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    first_token_times: dict[int, float] = field(default_factory=dict)
+
+
+class LLM:
+    """Serve an MLA model: the built-in "tiny" one or a Hugging Face checkpoint directory.
+
+    The KV cache holds `num_kv_blocks` blocks of `block_size` tokens per layer; when
+    None it is sized from `gpu_memory_utilization` of the GPU's memory after the model
+    and the chunked-prefill workspace are accounted for (on the CPU: 64Ki tokens).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        block_size: int = 64,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        workspace_rows: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        seed: int = 0,
+        backend: str = "auto",
+        max_model_len: int | None = None,
+    ) -> None:
+        if tensor_parallel_size != 1 or decode_context_parallel_size != 1:
+            raise NotImplementedError(
+                "tensor_parallel_size and decode_context_parallel_size > 1 are not available "
+                f"yet (got {tensor_parallel_size}, {decode_context_parallel_size})"
+            )
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        torch.manual_seed(seed)
+        self.device = device
+        self.dtype = dtype
+        self.model, self.config, self.tokenizer = load_model(model, dtype, device, backend)
+        dims = self.model.dims
+        positions = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > positions:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{positions}"
+            )
+        self.max_model_len = max_model_len or positions
+        self.builder = MLAMetadataBuilder(
+            dims, block_size=block_size, device=device, workspace_rows=workspace_rows,
+            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+        )
+        cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._auto_num_blocks(block_size, cache_dtype, gpu_memory_utilization)
+        self.caches = [
+            LatentKVCache(num_kv_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                          kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device)
+            for _ in range(self.config.num_hidden_layers)
+        ]
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        eos = self.config.eos_token_id
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs, max_num_batched_tokens,
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+        self.runner = ModelRunner(self.model, self.caches, self.block_manager, self.builder)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._next_id = 0
+        self.stats = EngineStats()
+
+    def _auto_num_blocks(
+        self, block_size: int, cache_dtype: torch.dtype, utilization: float
+    ) -> int:
+        dims = self.model.dims
+        per_block = (
+            LatentKVCache.bytes_per_token(dims.kv_lora_rank, dims.qk_rope_head_dim, cache_dtype)
+            * block_size * self.config.num_hidden_layers
+        )
+        if self.device.type != "cuda":
+            return max(2, _CPU_CACHE_TOKENS // block_size + 1)
+        free, total = torch.cuda.mem_get_info(self.device)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        # The context path holds the gathered rows and their up-projection at once.
+        workspace = self.builder.workspace_rows * element * (
+            dims.cache_width + dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
+            + dims.num_heads * dims.qk_head_dim
+        )
+        budget = free - (1.0 - utilization) * total - workspace
+        blocks = int(budget // per_block)
+        if blocks < 2:
+            raise ValueError(
+                f"no room for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "
+                f"gpu_memory_utilization {utilization}, workspace {workspace / 2**30:.2f} GiB"
+            )
+        return blocks
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        return None, ids
+
+    def generate(
+        self,
+        prompts: SequenceABC[str] | SequenceABC[list[int]] | str,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        self.stats = EngineStats()
+        requests = []
+        for prompt, p in zip(prompts, params, strict=True):
+            text, ids = self._encode(prompt)
+            if len(ids) + p.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} exceeds "
+                    f"max_model_len {self.max_model_len}"
+                )
+            seq = Sequence(self._next_id, ids, p)
+            self._next_id += 1
+            self.scheduler.add(seq)
+            requests.append((text, seq))
+        generators = {
+            seq.seq_id: torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            for _, seq in requests
+            if seq.params.seed is not None
+        }
+        start = time.perf_counter()
+        preemptions = self.scheduler.num_preemptions
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            while self.scheduler.has_unfinished():
+                finished = self.step(generators, start)
+                bar.update(len(finished))
+        self.stats.preemptions = self.scheduler.num_preemptions - preemptions
+        return [self._output(text, seq) for text, seq in requests]
+
+    def step(self, generators: dict[int, torch.Generator], start: float) -> list[Sequence]:
+        """Schedule, run and sample one step; returns the sequences it finished."""
+        batch = self.scheduler.schedule()
+        tick = time.perf_counter()
+        logits = self.runner.run(batch)
+        to_sample = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
+        sampled: dict[int, tuple[int, dict[int, float]]] = {}
+        if to_sample:
+            token_ids, logprobs = sample(
+                logits,
+                [seq.params for seq in to_sample],
+                [generators.get(seq.seq_id, self.generator) for seq in to_sample],
+            )
+            for seq, token, lp in zip(to_sample, token_ids.tolist(), logprobs, strict=True):
+                sampled[seq.seq_id] = (token, lp)
+        elapsed = time.perf_counter() - tick
+        now = time.perf_counter() - start
+        decode_tokens = sum(1 for n in batch.num_new_tokens if n == 1)
+        prefill_tokens = batch.num_tokens - decode_tokens
+        self.stats.steps += 1
+        self.stats.decode_tokens += decode_tokens
+        self.stats.prefill_tokens += prefill_tokens
+        # A mixed step's time is split between the two in proportion to their tokens.
+        self.stats.decode_time += elapsed * decode_tokens / batch.num_tokens
+        self.stats.prefill_time += elapsed * prefill_tokens / batch.num_tokens
+        for seq in to_sample:
+            self.stats.first_token_times.setdefault(seq.seq_id, now)
+        return self.scheduler.postprocess(batch, sampled)
+
+    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        decoded = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=text,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[CompletionOutput(out_ids, decoded, seq.output_logprobs, seq.finish_reason)],
+        )

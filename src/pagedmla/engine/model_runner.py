@@ -1,0 +1,81 @@
+"""Runs one scheduled step through the model: inputs, metadata, forward, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.cache import LatentKVCache
+from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.scheduler import ScheduledBatch
+from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
+
+
+class ModelRunner:
+    """Owns the model's per-layer latent caches and turns a ScheduledBatch into logits.
+
+    The model is any module with `forward(input_ids [T], positions [T], caches, meta)
+    -> hidden [T, H]`, `compute_logits(hidden [B, H]) -> [B, vocab]` and `dims`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        caches: list[LatentKVCache],
+        block_manager: BlockManager,
+        builder: MLAMetadataBuilder,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.block_manager = block_manager
+        self.builder = builder
+        self.device = builder.device
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
+        """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        manager = self.block_manager
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            slots.extend(manager.slot(seq, p) for p in range(start, start + num_new))
+            seq_lens.append(start + num_new)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        # Block 0 is the null block: padding entries point at it and are never read.
+        table = torch.zeros(len(batch.seqs), width, dtype=torch.int32)
+        for row, seq in enumerate(batch.seqs):
+            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        spec = BatchSpec(
+            query_lens=list(batch.num_new_tokens),
+            seq_lens=seq_lens,
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            spec,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Forward one step; returns logits [S, vocab] float32 for the S sequences to sample."""
+        token_ids, positions, spec = self.prepare(batch)
+        meta = self.builder.build(spec)
+        hidden = self.model(
+            token_ids.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            self.caches,
+            meta,
+        )
+        last_rows = []
+        end = 0
+        for num_new, needs_sample in zip(batch.num_new_tokens, batch.needs_sample, strict=True):
+            end += num_new
+            if needs_sample:
+                last_rows.append(end - 1)
+        index = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, index)).float()

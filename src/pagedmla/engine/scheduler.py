@@ -1,0 +1,219 @@
+"""Continuous batching: which sequences run in a step, with how many new tokens each.
+
+Each step packs, under ``max_num_seqs`` sequences and ``max_num_batched_tokens``
+tokens: first the running sequences with one uncomputed token (decodes), then the
+running sequences still prefilling (chunked prefills continuing), then waiting
+sequences in FIFO order. A prefill takes ``min(remaining tokens, budget left)``, so
+long prompts are spread over several steps. When a running sequence cannot get a
+block, the most recently admitted running sequence is preempted by recompute: its
+blocks are freed, its tokens kept, and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step of work for the model runner.
+
+    For entry ``i`` with ``c = seqs[i].num_computed_tokens`` and ``n = num_new_tokens[i]``
+    the runner feeds ``seqs[i].token_ids[c : c + n]`` at positions ``c .. c + n - 1``
+    (query_len ``n``, seq_len ``c + n``), writing their latents to the slots
+    ``BlockManager.slot(seq, position)``. Every entry with ``n == 1`` comes before every
+    entry with ``n > 1``, the decode-first order the attention metadata expects.
+    ``needs_sample[i]`` is true when the chunk reaches the sequence's last known token
+    (``c + n == num_tokens``): only then do the logits of the chunk's last token predict
+    a new token. A prefill chunk that stops inside the known tokens samples nothing.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    needs_sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed to the model in this step (T)."""
+        return sum(self.num_new_tokens)
+
+
+@dataclass
+class _StepPlan:
+    """The step being assembled: chosen sequences and the budgets they use."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    entries: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # seq_id -> (seq, n)
+    num_tokens: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        """Token budget not yet used in this step."""
+        return self.max_num_batched_tokens - self.num_tokens
+
+    def has_room(self) -> bool:
+        """Whether one more sequence with at least one token fits in this step."""
+        return len(self.entries) < self.max_num_seqs and self.tokens_left > 0
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Place ``seq`` in the step with ``num_new_tokens`` tokens."""
+        self.entries[seq.seq_id] = (seq, num_new_tokens)
+        self.num_tokens += num_new_tokens
+
+    def discard(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the step if it is in it, returning its tokens to the budget."""
+        _, num_new_tokens = self.entries.pop(seq.seq_id, (seq, 0))
+        self.num_tokens -= num_new_tokens
+
+
+class Scheduler:
+    """Admits, schedules, preempts and finishes sequences over one ``BlockManager``."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_id = eos_token_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the most recent is last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; refuse one that could not fit in the whole cache.
+
+        The check uses the worst case (prompt + max_tokens - 1 cached tokens: the last
+        sampled token is never fed), so an accepted request always runs to completion.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"add() takes a new waiting sequence, got {seq!r}")
+        manager = self.block_manager
+        max_cached = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        if manager.blocks_needed(max_cached) > manager.num_usable_blocks:
+            raise ValueError(
+                f"sequence {seq.seq_id} needs up to {manager.blocks_needed(max_cached)} cache "
+                f"blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens} "
+                f"- 1 tokens), but the cache has {manager.num_usable_blocks}"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Choose the next step's sequences and reserve cache blocks for their new tokens."""
+        plan = _StepPlan(self.max_num_seqs, self.max_num_batched_tokens)
+        preempted = False
+        decodes = [seq for seq in self.running if seq.num_uncomputed == 1]
+        prefills = [seq for seq in self.running if seq.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if not plan.has_room():
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for another one
+            num_new = min(seq.num_uncomputed, plan.tokens_left)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.discard(victim)  # a victim already placed in this step leaves it again
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append_slots(seq, num_new)
+                plan.add(seq, num_new)
+        if not preempted:
+            # After a preemption the freed blocks go to the preempted sequence first.
+            self._admit(plan)
+        if not plan.entries and self.has_unfinished():
+            raise RuntimeError(
+                f"scheduler made no progress: {len(self.waiting)} waiting, "
+                f"{len(self.running)} running, {self.block_manager.num_free_blocks} free blocks"
+            )
+        # Stable partition: the attention metadata treats every query_len-1 row as a decode
+        # and wants decodes first, so a one-token prefill chunk moves up with them.
+        entries = [e for e in plan.entries.values() if e[1] == 1]
+        entries += [e for e in plan.entries.values() if e[1] > 1]
+        return ScheduledBatch(
+            seqs=[seq for seq, _ in entries],
+            num_new_tokens=[num_new for _, num_new in entries],
+            needs_sample=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in entries],
+        )
+
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: dict[int, tuple[int, dict[int, float]]]
+    ) -> list[Sequence]:
+        """Account for a finished step and return the sequences it finished.
+
+        ``sampled`` maps ``seq_id`` to ``(token_id, logprobs)`` for every entry with
+        ``needs_sample``; other entries are ignored.
+        """
+        finished: list[Sequence] = []
+        for seq, num_new, needs_sample in zip(
+            batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
+        ):
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq)
+            if not needs_sample:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"sampled has no token for sequence {seq.seq_id}, which needs one")
+            token_id, logprobs = sampled[seq.seq_id]
+            seq.append_token(token_id, logprobs)
+            seq.finish_reason = self._finish_reason(seq, token_id)
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _admit(self, plan: _StepPlan) -> None:
+        """Move waiting sequences, in FIFO order, into the step while they fit."""
+        while self.waiting and plan.has_room():
+            seq = self.waiting[0]
+            self.block_manager.match_prefix(seq)
+            num_new = min(seq.num_uncomputed, plan.tokens_left)
+            if not self.block_manager.can_append(seq, num_new):
+                # Give the cached blocks back; the head waits so that it is not starved.
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+                return
+            self.waiting.popleft()
+            self.block_manager.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.add(seq, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first; its tokens are recomputed later."""
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token_id == self.eos_token_id:
+            return "stop"
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,196 @@
+"""DeepseekConfig: the fields of a DeepSeek-V2/V3 `config.json` that the model needs.
+
+Parsed from the plain dict, so that serving a checkpoint never imports `transformers`.
+Both spellings of the RoPE settings are read: `rope_scaling` (DeepSeek's own configs)
+and `rope_parameters` (what transformers 5 writes, with `rope_theta` inside it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedmla.dims import MLADims, softmax_scale
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+# V2 and V3 share field names but not router defaults: a transformers-5 V3 config has
+# no `topk_method`/`scoring_func` keys, because its router is always noaux_tc + sigmoid.
+_ROUTER_DEFAULTS = {"deepseek_v2": ("greedy", "softmax"), "deepseek_v3": ("noaux_tc", "sigmoid")}
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """A DeepSeek-V2/V3 decoder's hyper-parameters (names as in config.json).
+
+    `rope_scaling` is None for plain RoPE, else the scaling dict with `rope_type` set
+    (e.g. "yarn" with factor, original_max_position_embeddings, beta_fast, beta_slow,
+    mscale, mscale_all_dim). `n_routed_experts` 0 means every layer is dense.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    architectures: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeepseekConfig:
+        """Parse a config.json dict; ValueError for an unsupported architecture or option."""
+        architectures = tuple(d.get("architectures") or ())
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} (architectures {list(architectures)}); "
+                f"supported: {SUPPORTED_MODEL_TYPES} / {SUPPORTED_ARCHITECTURES}"
+            )
+        unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unsupported:
+            raise ValueError(
+                f"unsupported architecture {unsupported[0]!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{key}=True is not supported (no DeepSeek checkpoint uses it)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {d['hidden_act']!r}")
+
+        rope_theta, rope_scaling = _rope_settings(d)
+        default_topk, default_scoring = _ROUTER_DEFAULTS[model_type]
+        config = cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            q_lora_rank=d.get("q_lora_rank"),
+            moe_intermediate_size=d.get("moe_intermediate_size") or 0,
+            n_routed_experts=d.get("n_routed_experts") or 0,
+            n_shared_experts=d.get("n_shared_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+            moe_layer_freq=d.get("moe_layer_freq") or 1,
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            topk_method=d.get("topk_method") or default_topk,
+            scoring_func=d.get("scoring_func") or default_scoring,
+            n_group=d.get("n_group") or 1,
+            topk_group=d.get("topk_group") or 1,
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            # DeepSeek's V2 code has no such switch: its checkpoints are always interleaved.
+            rope_interleave=bool(d.get("rope_interleave", True)),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            architectures=architectures,
+        )
+        config._validate_moe()
+        return config
+
+    def _validate_moe(self) -> None:
+        if not self.n_routed_experts:
+            return
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}"
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group "
+                f"({self.n_group})"
+            )
+        per_group = self.n_routed_experts // self.n_group
+        # Greedy routing ignores groups; the grouped methods choose among topk_group groups.
+        grouped = self.topk_method != "greedy"
+        selectable = per_group * self.topk_group if grouped else self.n_routed_experts
+        if grouped and not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, {self.n_group}], got {self.topk_group}")
+        if not 1 <= self.num_experts_per_tok <= selectable:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, {selectable}] (the experts routing can "
+                f"choose from), got {self.num_experts_per_tok}"
+            )
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError("noaux_tc ranks groups by their top-2 experts: n_group too large")
+        if not self.moe_intermediate_size:
+            raise ValueError("moe_intermediate_size must be set when n_routed_experts > 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has routed experts (else a dense MLP)."""
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    @property
+    def dims(self) -> MLADims:
+        """The MLA widths of one layer (all heads)."""
+        return MLADims(
+            num_heads=self.num_attention_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            q_lora_rank=self.q_lora_rank,
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        """(P + R) ** -0.5, sharpened by YaRN's mscale_all_dim when RoPE is scaled."""
+        return softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.rope_scaling)
+
+
+def _rope_settings(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either `rope_scaling` or `rope_parameters`."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not supported (DeepSeek uses 'yarn' or none)")
+    params["rope_type"] = kind
+    return theta, params

@@ -1,0 +1,270 @@
+"""The DeepSeek-V2/V3 decoder on top of MLAAttention, loading Hugging Face weight names.
+
+Tokens arrive flat ([T], all requests of a step, decodes first) with their positions
+and the step's MLAMetadata; each layer keeps its latents in its own LatentKVCache.
+Module names mirror the Hugging Face checkpoints without the leading "model.", except
+that routed experts are stacked into `mlp.w13` / `mlp.w2`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedmla.attention import MLAAttention
+from pagedmla.cache import LatentKVCache
+from pagedmla.metadata import MLAMetadata
+from pagedmla.models.config import DeepseekConfig
+from pagedmla.models.moe import DenseMLP, MoE, empty_linear
+from pagedmla.models.rope import RotaryEmbedding, apply_rope
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_EXPERTS = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
+_STACKED = (".mlp.w13", ".mlp.w2")  # our stacked expert tensors: not checkpoint names
+_W13_PARTS = ("gate_proj", "up_proj")  # w13 rows: gate first, then up
+
+
+class RMSNorm(nn.Module):
+    """x [..., D] -> weight * x / rms(x), the normalisation computed in float32."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DeepseekAttention(nn.Module):
+    """hidden [T, H] -> [T, H]: projections around one MLAAttention.
+
+    q comes from q_proj, or from q_a_proj -> q_a_layernorm -> q_b_proj (q LoRA);
+    kv_a_proj_with_mqa gives the latent [L] (normalised by kv_a_layernorm) and k_pe [R].
+    kv_b_proj is held for loading; MLAAttention uses it after process_weights_after_loading.
+    """
+
+    def __init__(
+        self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device, backend: str
+    ) -> None:
+        super().__init__()
+        c, d = config, config.dims
+        self.dims = d
+        self.interleaved = c.rope_interleave
+        N, H, L = d.num_heads, c.hidden_size, d.kv_lora_rank
+        # DeepSeek's reference code (and transformers) build the two latent norms with the
+        # RMSNorm default eps, not config.rms_norm_eps.
+        eps = 1e-6
+        if d.q_lora_rank is None:
+            self.q_proj = empty_linear(H, N * d.qk_head_dim, dtype, device)
+        else:
+            self.q_a_proj = empty_linear(H, d.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, eps, dtype, device)
+            self.q_b_proj = empty_linear(d.q_lora_rank, N * d.qk_head_dim, dtype, device)
+        self.kv_a_proj_with_mqa = empty_linear(H, L + d.qk_rope_head_dim, dtype, device)
+        self.kv_a_layernorm = RMSNorm(L, eps, dtype, device)
+        self.kv_b_proj = empty_linear(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
+        self.o_proj = empty_linear(N * d.v_head_dim, H, dtype, device)
+        self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: MLAMetadata,
+    ) -> torch.Tensor:
+        d = self.dims
+        T, P, L = hidden.shape[0], d.qk_nope_head_dim, d.kv_lora_rank
+        if d.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(T, d.num_heads, d.qk_head_dim)
+        latent = self.kv_a_proj_with_mqa(hidden)
+        kv_c = self.kv_a_layernorm(latent[:, :L])
+        k_pe = latent[:, L:]
+        if cos is not None:
+            q = torch.cat((q[..., :P], apply_rope(q[..., P:], cos, sin, self.interleaved)), -1)
+            k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
+        return self.o_proj(self.attn(q, kv_c, k_pe.contiguous(), cache, meta))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward blocks, each with a residual: [T, H] -> [T, H]."""
+
+    def __init__(
+        self, config: DeepseekConfig, layer: int, dtype: torch.dtype, device: torch.device,
+        backend: str,
+    ) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps, dtype, device)
+        self.self_attn = DeepseekAttention(config, dtype, device, backend)
+        self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
+        if config.is_moe_layer(layer):
+            self.mlp: nn.Module = MoE(config, dtype, device)
+        else:
+            self.mlp = DenseMLP(H, config.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: MLAMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek-V2/V3 causal LM over paged latent caches.
+
+    Parameters are created uninitialised on `device` in `dtype` (router weights in
+    float32); fill them with load_weights, then call process_weights_after_loading.
+    """
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dims = config.dims
+        H, vocab = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.utils.skip_init(nn.Embedding, vocab, H, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device, backend)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(H, config.rms_norm_eps, dtype, device)
+        self.lm_head = None if config.tie_word_embeddings else empty_linear(H, vocab, dtype, device)
+        self.rotary = None
+        if config.qk_rope_head_dim:
+            self.rotary = RotaryEmbedding(
+                config.qk_rope_head_dim, config.rope_theta, config.max_position_embeddings,
+                config.rope_scaling,
+            )
+        self.requires_grad_(False)  # inference only: no autograd bookkeeping
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[LatentKVCache],
+        meta: MLAMetadata,
+    ) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64, one cache per layer -> hidden [T, H].
+
+        The hidden states are final-normed: compute_logits applies only the LM head.
+        """
+        if len(caches) != len(self.layers):
+            raise ValueError(f"caches has {len(caches)} entries, expected {len(self.layers)}")
+        hidden = self.embed_tokens(input_ids)
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions)
+        for layer, cache in zip(self.layers, caches):
+            hidden = layer(hidden, cos, sin, cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] (from forward) -> logits [B, vocab] float32."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return nn.functional.linear(hidden, head.weight).float()
+
+    def _whole_tensors(self) -> dict[str, str]:
+        """Checkpoint name -> state_dict key, for every tensor not stacked over experts."""
+        return {
+            key if key == "lm_head.weight" else f"model.{key}": key
+            for key in self.state_dict()
+            if not key.endswith(_STACKED)
+        }
+
+    def _expert_names(self, mlp: str, projs: tuple[str, ...]) -> set[str]:
+        """Per-expert checkpoint names of the MoE at state_dict prefix `mlp`."""
+        E = self.config.n_routed_experts
+        return {f"model.{mlp}.experts.{e}.{p}.weight" for e in range(E) for p in projs}
+
+    def expected_weight_names(self) -> set[str]:
+        """Checkpoint names load_weights must see, with experts as per-expert tensors."""
+        names = set(self._whole_tensors())
+        for key in self.state_dict():
+            if key.endswith(".w13"):
+                names |= self._expert_names(key.removesuffix(".w13"), _W13_PARTS)
+            elif key.endswith(".w2"):
+                names |= self._expert_names(key.removesuffix(".w2"), ("down_proj",))
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (Hugging Face name, tensor) pairs into the parameters; returns names filled.
+
+        The result uses expected_weight_names' spelling: a fused expert tensor
+        (`mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], the
+        in-memory transformers-5 layout) fills the names of all per-expert tensors it
+        stands for. Skips `rotary_emb.inv_freq` and layers past num_hidden_layers (e.g.
+        DeepSeek-V3's MTP layer). ValueError for an unknown name or a shape mismatch.
+        """
+        targets = self.state_dict(keep_vars=True)
+        whole = self._whole_tensors()
+        filled: set[str] = set()
+        for name, tensor in weights:
+            resolved = self._resolve(name, targets, whole)
+            if resolved is None:
+                continue
+            dest, covered = resolved
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled |= covered
+        return filled
+
+    def _resolve(
+        self, name: str, targets: dict[str, torch.Tensor], whole: dict[str, str]
+    ) -> tuple[torch.Tensor, set[str]] | None:
+        """(destination tensor or view, expected names it fills), or None to skip."""
+        layer = _LAYER.match(name)
+        if name.endswith("rotary_emb.inv_freq") or (
+            layer and int(layer[1]) >= self.config.num_hidden_layers
+        ):
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            name = "model.embed_tokens.weight"  # tied: the head is the embedding
+        if name in whole:
+            return targets[whole[name]], {name}
+        expert = _EXPERT.fullmatch(name)
+        E, inter = self.config.n_routed_experts, self.config.moe_intermediate_size
+        if expert and f"{expert[1]}.w13" in targets and int(expert[2]) < E:
+            mlp, e = expert[1], int(expert[2])
+            if expert[3] == "down":
+                return targets[f"{mlp}.w2"][e], {name}
+            rows = slice(0, inter) if expert[3] == "gate" else slice(inter, 2 * inter)
+            return targets[f"{mlp}.w13"][e, rows], {name}
+        fused = _FUSED_EXPERTS.fullmatch(name)
+        if fused and f"{fused[1]}.w13" in targets:
+            mlp = fused[1]
+            if fused[2] == "down_proj":
+                return targets[f"{mlp}.w2"], self._expert_names(mlp, ("down_proj",))
+            return targets[f"{mlp}.w13"], self._expert_names(mlp, _W13_PARTS)
+        raise ValueError(f"unknown weight {name!r}: the model has no tensor of that name")
+
+    def process_weights_after_loading(self) -> None:
+        """Derive what MLAAttention precomputes (W_UK, W_UV) from the loaded kv_b_proj."""
+        for layer in self.layers:
+            layer.self_attn.attn.set_kv_b_proj(layer.self_attn.kv_b_proj.weight)

@@ -1,0 +1,135 @@
+"""Feed-forward blocks of DeepSeek-V2/V3: the dense SwiGLU MLP and the routed MoE.
+
+Routing follows the checkpoint's config: V2 scores experts with a softmax and picks
+the top-k greedily, optionally only inside the `topk_group` groups holding the best
+single expert (group_limited_greedy); V3 scores with a sigmoid, ranks groups by the sum
+of their two best biased scores and picks experts by biased score, but weights them by
+the unbiased one (noaux_tc). Router math is float32 whatever the model dtype.
+`norm_topk_prob` renormalises the chosen weights for either router (transformers' V2
+ignores it, which agrees because DeepSeek-V2 checkpoints set it False).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedmla.models.config import DeepseekConfig
+
+
+def empty_linear(
+    in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str
+) -> nn.Linear:
+    """nn.Linear without bias whose weight is left uninitialised (the checkpoint fills it)."""
+    return nn.utils.skip_init(
+        nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device
+    )
+
+
+class DenseMLP(nn.Module):
+    """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.gate_proj = empty_linear(hidden_size, intermediate_size, dtype, device)
+        self.up_proj = empty_linear(hidden_size, intermediate_size, dtype, device)
+        self.down_proj = empty_linear(intermediate_size, hidden_size, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Chooses each token's k experts: x [T, H] -> (weights [T, k] float32, ids [T, k] int64).
+
+    `weight` [E, H] and `e_score_correction_bias` [E] (noaux_tc only) are float32. The
+    bias shifts the scores used to choose groups and experts; the weights are the
+    unshifted scores of the chosen experts, renormalised to sum to 1 when norm_topk_prob,
+    then multiplied by routed_scaling_factor.
+    """
+
+    def __init__(self, config: DeepseekConfig, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        E, H = config.n_routed_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float32, device=device))
+        bias = None
+        if config.topk_method == "noaux_tc":
+            bias = torch.empty(E, dtype=torch.float32, device=device)
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = nn.functional.linear(x.float(), self.weight)
+        scores = logits.softmax(dim=-1) if c.scoring_func == "softmax" else logits.sigmoid()
+        bias = self.e_score_correction_bias
+        choice = scores if bias is None else scores + bias
+        if c.topk_method != "greedy" and c.topk_group < c.n_group:
+            grouped = choice.view(x.shape[0], c.n_group, -1)
+            if c.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            kept = group_scores.topk(c.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts: x [T, H] -> [T, H].
+
+    Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+    """
+
+    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        E, H, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate = Router(config, device)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=dtype, device=device))
+        self.shared_experts = (
+            DenseMLP(H, inter * config.n_shared_experts, dtype, device)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's k experts of weight * expert(x): x [T, H] -> [T, H].
+
+        The T * k (token, expert) pairs are sorted by expert so that each expert runs one
+        matmul over a contiguous slice of its tokens; results are scattered back with
+        index_add. Only experts that received tokens are visited.
+        """
+        T, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        tokens = order // k  # pair p belongs to token p // k
+        pair_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat_ids, minlength=self.w13.shape[0]).tolist()
+        gathered = x[tokens]
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            gate, up = nn.functional.linear(gathered[start:end], self.w13[expert]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
+            # Weights are float32: scale and accumulate in float32, cast once at the end.
+            out.index_add_(0, tokens[start:end], y.float() * pair_weights[start:end, None])
+            start = end
+        return out.to(x.dtype)

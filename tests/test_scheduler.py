@@ -1,0 +1,307 @@
+"""Scheduler: step packing, chunked prefill, preemption by recompute, stop conditions.
+
+A fake model stands in for the network: it writes each fed token id into the slot the
+block manager assigned, and predicts the next token from the ids it reads back through
+the block table. A lost, shared-by-mistake or overwritten block therefore changes the
+generated tokens, which are compared with a reference computed without any paging.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.sampling_params import SamplingParams
+from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
+from pagedmla.engine.sequence import Sequence, SequenceStatus
+
+VOCAB = 11
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model's deterministic prediction from everything before it."""
+    return hash(tuple(context)) % VOCAB
+
+
+def reference_output(prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """Tokens and finish reason that a request must produce, computed without the engine."""
+    tokens = list(prompt)
+    stops = set(params.stop_token_ids or [])
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        if (not params.ignore_eos and token == EOS) or token in stops:
+            return tokens[len(prompt) :], "stop"
+        if len(tokens) - len(prompt) == params.max_tokens:
+            return tokens[len(prompt) :], "length"
+
+
+class FakeModel:
+    """Writes fed tokens into a simulated paged cache and predicts from what it reads."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.cache: dict[int, int] = {}  # slot -> token id stored there
+
+    def step(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict[int, float]]]:
+        sampled: dict[int, tuple[int, dict[int, float]]] = {}
+        for seq, num_new, needs_sample in zip(
+            batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
+        ):
+            start = seq.num_computed_tokens
+            for position in range(start, start + num_new):
+                slot = self.manager.slot(seq, position)
+                block = slot // self.manager.block_size
+                assert block != 0, "a token was written to the null block"
+                assert self.manager.ref_count(block) == 1, "a token was written to a shared block"
+                self.cache[slot] = seq.token_ids[position]
+            if needs_sample:
+                context = [self.cache[self.manager.slot(seq, p)] for p in range(start + num_new)]
+                sampled[seq.seq_id] = (next_token(context), {next_token(context): -0.5})
+        return sampled
+
+
+def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
+    assert len(batch.seqs) <= scheduler.max_num_seqs
+    assert batch.num_tokens <= scheduler.max_num_batched_tokens
+    assert len({seq.seq_id for seq in batch.seqs}) == len(batch.seqs)
+    sizes = batch.num_new_tokens
+    assert sizes == sorted(sizes, key=lambda n: n > 1), "one-token entries must come first"
+    for seq, num_new, needs_sample in zip(batch.seqs, sizes, batch.needs_sample, strict=True):
+        assert seq.status is SequenceStatus.RUNNING
+        assert 1 <= num_new <= seq.num_uncomputed
+        assert needs_sample == (num_new == seq.num_uncomputed)
+        covered = len(seq.block_table) * scheduler.block_manager.block_size
+        assert covered >= seq.num_computed_tokens + num_new
+    # Decodes go first: a running decode is left out only when the step is full of decodes.
+    scheduled = {seq.seq_id for seq in batch.seqs}
+    left_out = [s for s in scheduler.running if s.num_uncomputed == 1 and s.seq_id not in scheduled]
+    if left_out:
+        assert all(seq.num_uncomputed == 1 for seq in batch.seqs)
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    arrivals: list[tuple[int, Sequence]],
+    model: FakeModel | None = None,
+    max_steps: int = 5000,
+) -> list[Sequence]:
+    """Drive the scheduler with the fake model; ``arrivals`` are (step, sequence) pairs."""
+    model = model if model is not None else FakeModel(scheduler.block_manager)
+    pending = sorted(arrivals, key=lambda item: item[0])
+    finished: list[Sequence] = []
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            scheduler.add(pending.pop(0)[1])
+        if not scheduler.has_unfinished():
+            if not pending:
+                return finished
+            continue
+        batch = scheduler.schedule()
+        check_batch(scheduler, batch)
+        finished += scheduler.postprocess(batch, model.step(batch))
+    raise AssertionError("the scheduler did not finish every request")
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    prefix_caching: bool = True,
+) -> Scheduler:
+    manager = BlockManager(num_blocks, block_size, prefix_caching)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, eos_token_id=EOS)
+
+
+def test_rejects_bad_budgets() -> None:
+    manager = BlockManager(8, 4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(manager, 0, 8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(manager, 8, 0)
+
+
+def test_long_prompt_is_chunked_and_sampled_only_at_its_end() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    seq = Sequence(0, list(range(1, 11)), SamplingParams(max_tokens=3, ignore_eos=True))
+    scheduler.add(seq)
+    model = FakeModel(scheduler.block_manager)
+    sizes, samples = [], []
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        sizes += batch.num_new_tokens
+        samples += batch.needs_sample
+        scheduler.postprocess(batch, model.step(batch))
+    assert sizes == [4, 4, 2, 1, 1]
+    assert samples == [False, False, True, True, True]
+    assert seq.output_token_ids == reference_output(list(range(1, 11)), seq.params)[0]
+    assert seq.output_logprobs == [{token: -0.5} for token in seq.output_token_ids]
+
+
+def test_decodes_come_first_and_one_token_chunks_join_them() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=5)
+    model = FakeModel(scheduler.block_manager)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    decoder = Sequence(0, [1, 2], params)
+    scheduler.add(decoder)
+    scheduler.postprocess(batch := scheduler.schedule(), model.step(batch))
+    prefill = Sequence(1, list(range(1, 13)), params)
+    scheduler.add(prefill)
+    batch = scheduler.schedule()
+    assert [seq.seq_id for seq in batch.seqs] == [0, 1]
+    assert batch.num_new_tokens == [1, 4]
+    scheduler.postprocess(batch, model.step(batch))
+    late = Sequence(2, [5, 6, 7], params)
+    scheduler.add(late)
+    batch = scheduler.schedule()  # decoder 1, prefill continues with 4, late gets 0 tokens
+    assert [seq.seq_id for seq in batch.seqs] == [0, 1]
+    scheduler.postprocess(batch, model.step(batch))
+    batch = scheduler.schedule()  # decoder 1, prefill's last 4 (12 = 4+4+4), late 0
+    scheduler.postprocess(batch, model.step(batch))
+    batch = scheduler.schedule()  # two decodes, then late's first chunk of 3
+    assert batch.num_new_tokens == [1, 1, 3]
+    assert [seq.seq_id for seq in batch.seqs] == [0, 1, 2]
+
+
+def test_prefix_cache_hit_skips_the_shared_prompt() -> None:
+    scheduler = make_scheduler(block_size=4)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    model = FakeModel(scheduler.block_manager)
+    first = Sequence(0, list(range(1, 14)), params)
+    run_to_completion(scheduler, [(0, first)], model)
+    second_prompt = [*range(1, 10), 7, 7]
+    second = Sequence(1, second_prompt, params)
+    scheduler.add(second)
+    batch = scheduler.schedule()
+    assert second.num_computed_tokens == 8  # two full blocks came from the cache
+    assert batch.num_new_tokens == [3]
+    scheduler.postprocess(batch, model.step(batch))
+    run_to_completion(scheduler, [], model)
+    assert second.output_token_ids == reference_output(second_prompt, params)[0]
+
+
+def test_add_refuses_a_sequence_larger_than_the_cache() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)  # 3 usable blocks = 12 tokens
+    scheduler.add(Sequence(0, list(range(8)), SamplingParams(max_tokens=5)))
+    with pytest.raises(ValueError, match="cache blocks"):
+        scheduler.add(Sequence(1, list(range(8)), SamplingParams(max_tokens=6)))
+
+
+def test_a_lone_sequence_that_fills_the_whole_cache_finishes() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    seq = Sequence(0, list(range(1, 9)), params)
+    run_to_completion(scheduler, [(0, seq)])
+    assert seq.output_token_ids == reference_output(list(range(1, 9)), params)[0]
+
+
+def test_preemption_recomputes_the_newest_and_loses_nothing() -> None:
+    scheduler = make_scheduler(num_blocks=7, block_size=2, prefix_caching=False)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    seqs = [Sequence(i, prompt, params) for i, prompt in enumerate(prompts)]
+    finished = run_to_completion(scheduler, [(0, seq) for seq in seqs])
+    assert scheduler.num_preemptions > 0
+    assert sorted(seq.seq_id for seq in finished) == [0, 1, 2]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.output_token_ids == reference_output(prompt, params)[0]
+        assert len(seq.output_logprobs) == params.max_tokens
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_preempted_sequence_goes_back_to_the_front() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=4)
+    model = FakeModel(scheduler.block_manager)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    old, new = Sequence(0, [1, 2], params), Sequence(1, [3, 4], params)
+    scheduler.add(old)
+    scheduler.add(new)
+    scheduler.postprocess(batch := scheduler.schedule(), model.step(batch))  # 2 blocks used
+    queued = Sequence(2, [5], params)
+    scheduler.add(queued)
+    batch = scheduler.schedule()  # both need a 2nd block, 1 free: the newest is preempted
+    assert [seq.seq_id for seq in batch.seqs] == [0]
+    assert [seq.seq_id for seq in scheduler.waiting] == [1, 2]
+    assert new.num_computed_tokens == 0 and new.block_table == []
+    assert new.token_ids == [3, 4, reference_output([3, 4], params)[0][0]]
+
+
+def test_stop_conditions() -> None:
+    scheduler = make_scheduler()
+    cases = {
+        0: (SamplingParams(max_tokens=5), [3, EOS, 4], "stop", [3, EOS]),
+        1: (SamplingParams(max_tokens=5, ignore_eos=True), [3, EOS, 4, 4, 4], "length", None),
+        2: (SamplingParams(max_tokens=5, stop_token_ids=[9]), [3, 9, 4], "stop", [3, 9]),
+        3: (SamplingParams(max_tokens=2), [3, 4, 5], "length", [3, 4]),
+    }
+    seqs = {seq_id: Sequence(seq_id, [1, 2], case[0]) for seq_id, case in cases.items()}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    step = 0
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        sampled = {s.seq_id: (cases[s.seq_id][1][step], {}) for s in batch.seqs}
+        scheduler.postprocess(batch, sampled)
+        step += 1
+    for seq_id, (_, script, reason, expected) in cases.items():
+        seq = seqs[seq_id]
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.finish_reason == reason
+        assert seq.output_token_ids == (expected if expected is not None else script)
+    assert scheduler.block_manager.num_free_blocks == 63
+
+
+def test_postprocess_requires_a_token_for_each_sampling_sequence() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(Sequence(0, [1, 2], SamplingParams()))
+    with pytest.raises(ValueError, match="sampled has no token for sequence 0"):
+        scheduler.postprocess(scheduler.schedule(), {})
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_random_workloads_finish_every_request_exactly(data: st.DataObject) -> None:
+    """Random arrivals, lengths, budgets and tiny caches: every request ends as if alone."""
+    block_size = data.draw(st.sampled_from([1, 2, 3, 4, 8]), label="block_size")
+    base = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=24, max_size=24))
+    requests = []
+    for seq_id in range(data.draw(st.integers(1, 8), label="num_requests")):
+        shared = data.draw(st.integers(0, 24))
+        tail = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=int(shared == 0), max_size=8))
+        params = SamplingParams(
+            max_tokens=data.draw(st.integers(1, 12)),
+            ignore_eos=data.draw(st.booleans()),
+            stop_token_ids=data.draw(
+                st.one_of(st.none(), st.lists(st.integers(1, 20), max_size=2))
+            ),
+        )
+        arrival = data.draw(st.integers(0, 6))
+        requests.append((arrival, Sequence(seq_id, base[:shared] + tail, params)))
+    largest = max(len(seq.token_ids) + seq.params.max_tokens - 1 for _, seq in requests)
+    min_blocks = -(-largest // block_size) + 1
+    scheduler = make_scheduler(
+        num_blocks=min_blocks + data.draw(st.integers(0, 6), label="extra_blocks"),
+        block_size=block_size,
+        max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
+        max_num_batched_tokens=data.draw(st.integers(1, 40), label="token_budget"),
+        prefix_caching=data.draw(st.booleans(), label="prefix_caching"),
+    )
+    prompts = {seq.seq_id: list(seq.token_ids) for _, seq in requests}
+    finished = run_to_completion(scheduler, requests)
+    event(f"preempted: {scheduler.num_preemptions > 0}")
+    assert sorted(seq.seq_id for seq in finished) == sorted(prompts)
+    for _, seq in requests:
+        tokens, reason = reference_output(prompts[seq.seq_id], seq.params)
+        assert seq.token_ids[: seq.num_prompt_tokens] == prompts[seq.seq_id]
+        assert seq.output_token_ids == tokens
+        assert seq.finish_reason == reason
+        assert len(seq.output_logprobs) == len(tokens)
+        if seq.params.ignore_eos and not seq.params.stop_token_ids:
+            assert len(tokens) == seq.params.max_tokens
+    manager = scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks - 1
+    assert all(manager.ref_count(block) == 0 for block in range(manager.num_blocks))
