@@ -67,3 +67,15 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     if name not in _LOADERS:
         raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
     return _LOADERS[name]()
+
+
+def _load_triton() -> Backend:
+    """The Triton kernels; an ImportError (no `triton` package) means not available."""
+    try:
+        from pagedmla.ops.triton import TRITON_BACKEND
+    except ImportError as error:
+        raise ImportError(f"backend 'triton' needs the triton package: {error}") from error
+    return TRITON_BACKEND
+
+
+register_backend("triton", _load_triton, prefer_on_cuda=True)

@@ -1,0 +1,31 @@
+"""The Triton backend: one kernel file per op, assembled into a `Backend`.
+
+Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
+under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
+"""
+
+from __future__ import annotations
+
+from pagedmla.ops import Backend
+from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
+from pagedmla.ops.triton.decode import mla_decode
+from pagedmla.ops.triton.merge import merge_attn_states
+from pagedmla.ops.triton.prefill import varlen_attention
+
+TRITON_BACKEND = Backend(
+    name="triton",
+    write_cache=write_cache,
+    gather_cache=gather_cache,
+    mla_decode=mla_decode,
+    varlen_attention=varlen_attention,
+    merge_attn_states=merge_attn_states,
+)
+
+__all__ = [
+    "TRITON_BACKEND",
+    "gather_cache",
+    "merge_attn_states",
+    "mla_decode",
+    "varlen_attention",
+    "write_cache",
+]

@@ -1,0 +1,72 @@
+"""Host-side helpers shared by the Triton kernels: block sizes, device facts, modes."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Triton decides interpreter or compiler when a kernel is decorated (module import),
+# so the mode is read once here, at the same moment.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+# Multiprocessors assumed for CPU tensors under the interpreter: small, so that the
+# split planner still produces several splits on tiny test shapes.
+_INTERPRETER_SMS = 4
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_pow2(width: int) -> tuple[int, int]:
+    """Split a row width into a power-of-two head part and a remainder.
+
+    tl.arange needs power-of-two lengths; 576 = 512 + 64, 192 = 128 + 64, 48 = 32 + 16.
+    Returns (head, rest) with head a power of two and 0 <= rest < head.
+    """
+    if width <= 0:
+        return 0, 0
+    head = 1 << (width.bit_length() - 1)
+    return head, width - head
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """CPU tensors only work under TRITON_INTERPRET=1; say so instead of a Triton trace."""
+    for t in tensors:
+        if t.device.type == "cpu" and not INTERPRETED:
+            raise ValueError(
+                "the triton backend needs CUDA tensors (CPU tensors run only under "
+                "TRITON_INTERPRET=1, set before pagedmla.ops.triton is imported); "
+                f"got a tensor on {t.device}"
+            )
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a small constant for the interpreter)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact IEEE for float32 (tf32 would miss the float32
+    tolerances), the tensor-core default for 16-bit types."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take arbitrary strides except the innermost one, which must be 1."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()

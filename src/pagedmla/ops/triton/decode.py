@@ -1,0 +1,474 @@
+"""Paged latent decode (absorbed MQA) with split-KV, in two Triton kernels.
+
+Stage 1 (`_decode_partial_kernel`), grid (head groups, splits, requests): one program
+takes BLOCK_H query rows of one request (row r is token r // N, head r % N) and one
+slice of its positions. Each [BLOCK_N, L + R] tile of cache rows is loaded once and
+used by every row of the program: as keys (all L + R columns) and, its first L
+columns, as values. That sharing across heads is what makes MQA decode cheap in bytes.
+The tile's rows come through the block table one position at a time, so any page size
+works. Online softmax (base 2) accumulates [BLOCK_H, L] in float32. With few heads
+per program the products are computed transposed (SWAP_AB: positions fill the 64-row
+MMA of Hopper's wgmma instead of padding 16 heads to 64 rows).
+
+Stage 2 (`_decode_combine_kernel`) folds the splits of each (token, head) by
+log-sum-exp, all splits of a column block in one load. With one split, stage 1 writes
+the final output and stage 2 is skipped.
+
+The split count is planned on the host from Python ints only (batch size, heads,
+max_seq_len, the multiprocessor count): no device value is read, so a decode step
+never synchronises and can be captured in a CUDA graph. Each program derives its own
+range from the device seq_len: chunk = max(ceil(seq_len / splits), min_chunk), so a
+short request uses few splits and the programs past its end write an empty partial
+(lse -inf) and leave.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.triton._utils import (
+    cdiv,
+    check_device,
+    dot_precision,
+    last_dim_contiguous,
+    multiprocessor_count,
+    next_pow2,
+)
+
+MAX_SPLITS = 128  # bounds the combine's [splits, columns] tile
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
+              torch.bfloat16: tl.bfloat16}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of stage 1 for one regime (rows per program, cache dtype).
+
+    block_h: query rows (heads x tokens) per program; block_n: positions per tile;
+    min_chunk: fewest positions a split covers (bounds the partial-output traffic per
+    byte of cache read); programs_per_sm: programs one multiprocessor holds at once, for
+    the split planner; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
+    MMA's M dimension), which suits few heads per program (see the kernel).
+    """
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_chunk: int
+    programs_per_sm: int
+    swap_ab: bool = False
+
+
+# Keyed by regime; the lead can try variants on the GPU by editing this dict or passing
+# `config=` (benchmarks/bench_kernels.py --sweep-configs decode times a set of them).
+# Chosen from sweeps on an H200 (Triton 3.6):
+# * rows16 (N * q_len <= 16, memory-bound): the swapped products on 64-position tiles
+#   use wgmma (M = 64 positions) with few registers: 2.07 TB/s at B = 128, N = 16, 8k,
+#   vs 1.81 for the direct form's best (32 positions, mma.sync, 210 registers).
+# * rows32: swapped, 8 warps (no spills): 1.83 TB/s at B = 128, N = 32, 8k.
+# * rows64 (N >= 64): direct form; the [64, 512] float32 accumulator needs 8 warps
+#   (128 registers per thread); 64-position tiles with 3 stages fill ~220 KB of
+#   shared memory: 219-232 TFLOP/s at N = 128, B = 64-128, 4k-8k.
+# * fp8: the tile is widened to float16 in registers; the direct form with 8 warps
+#   spills least (0-92 registers) and is the fastest measured, yet still far from
+#   half the bf16 time (see the report).
+DECODE_CONFIGS: dict[str, DecodeConfig] = {
+    "rows16": DecodeConfig(16, 64, 4, 3, 256, 1, swap_ab=True),
+    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1),
+    "rows32": DecodeConfig(32, 64, 8, 3, 256, 1, swap_ab=True),
+    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
+    "rows64": DecodeConfig(64, 64, 8, 3, 512, 1),
+    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1),
+    # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
+    "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
+}
+COMBINE_ELEMENTS = 4096  # splits x columns per combine program
+COMBINE_WARPS = 4
+
+
+def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> DecodeConfig:
+    """The stage-1 config for `num_rows` = N * max_query_len query rows per request."""
+    if dtype == torch.float32:
+        return DECODE_CONFIGS["fp32"]
+    rows = next_pow2(num_rows)
+    key = "rows16" if rows <= 16 else "rows32" if rows <= 32 else "rows64"
+    return DECODE_CONFIGS[key + ("-fp8" if is_fp8 else "")]
+
+
+def plan_num_splits(
+    num_reqs: int,
+    head_groups: int,
+    max_seq_len: int,
+    num_sms: int,
+    config: DecodeConfig,
+) -> int:
+    """Splits per request so that the grid fills the GPU, from host ints only.
+
+    Programs = requests x head groups x splits. Each candidate split count is scored
+    by the time its slowest multiprocessor needs, in positions: the number of waves of
+    programs times the positions one program covers (plus a fixed overhead per program,
+    and a partial written and re-read per extra split). The cheapest wins; ties go to
+    fewer splits. Splits never go below min_chunk positions each.
+    """
+    if max_seq_len <= 0:
+        return 1
+    slots = max(1, num_sms * config.programs_per_sm)
+    base = num_reqs * head_groups
+    block_n = config.block_n
+    overhead = 2 * block_n  # prologue (q tile), epilogue, block-table latency
+    # An extra split's partial ([block_h, L] float32, written then read back) moves
+    # about as many bytes as 4 * block_h bf16 cache rows of 576 (DeepSeek widths).
+    partial_cost = 4 * config.block_h
+    by_length = cdiv(max_seq_len, config.min_chunk)
+    best_splits, best_cost = 1, math.inf
+    for splits in range(1, min(MAX_SPLITS, by_length) + 1):
+        chunk = cdiv(max(cdiv(max_seq_len, splits), config.min_chunk), block_n) * block_n
+        if cdiv(max_seq_len, chunk) < splits:
+            continue  # tile rounding leaves the last split empty: an idle program
+        waves = cdiv(base * splits, slots)
+        cost = waves * (chunk + overhead + (partial_cost if splits > 1 else 0))
+        if cost < best_cost * 0.97:  # demand a real gain for every extra split
+            best_splits, best_cost = splits, cost
+    return best_splits
+
+
+@triton.jit
+def _split_range(seq_len, num_splits, MIN_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    """Positions per split of one request: max(ceil(seq_len / splits), MIN_CHUNK),
+    rounded up to whole tiles so that only a request's last tile is partial."""
+    chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
+    return tl.cdiv(chunk, ALIGN) * ALIGN
+
+
+@triton.jit
+def _to_compute(x, compute_dtype: tl.constexpr):
+    """x in the products' dtype; a bf16 q bound for float16 (fp8 cache) is clamped to
+    float16's range first (an inf would turn the softmax into NaN)."""
+    if x.dtype != compute_dtype:
+        if compute_dtype == tl.float16:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)
+        x = x.to(compute_dtype)
+    return x
+
+
+@triton.jit
+def _load_cache_tile(
+    data_ptr, table_row, start, hi, stride_db, stride_dp, compute_dtype: tl.constexpr,
+    L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr,
+):
+    """Cache rows of positions [start, start + BLOCK_N) below hi: latent [BLOCK_N,
+    BLOCK_L] and rope [BLOCK_N, BLOCK_R] parts (fp8 widened to compute_dtype)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_ok = pos < hi
+    # Slot of every position: page size need not divide BLOCK_N (pages of 1..128).
+    block = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+    rows = data_ptr + block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
+    cols = tl.arange(0, BLOCK_L)
+    # Masked rows are never read: slots past seq_len may hold NaN.
+    kv = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & (cols[None, :] < L),
+                 other=0.0)
+    if IS_FP8:
+        kv = kv.to(compute_dtype)
+    k_pe = kv  # placeholder when R == 0
+    if R > 0:
+        cols_r = tl.arange(0, BLOCK_R)
+        k_pe = tl.load(rows[:, None] + L + cols_r[None, :],
+                       mask=pos_ok[:, None] & (cols_r[None, :] < R), other=0.0)
+        if IS_FP8:
+            k_pe = k_pe.to(compute_dtype)
+    return kv, k_pe, pos, pos_ok
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, data_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_db, stride_dp,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh, stride_ls,
+    num_heads, num_splits, softmax_scale,
+    L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
+    IS_FP8: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    SWAP_AB: tl.constexpr, COMPUTE: tl.constexpr,
+):
+    """One (head group, split, request): partial out [BLOCK_H, L] and lse over a slice.
+
+    DIRECT (a single split): writes the final out [T, N, L] (q dtype) and lse [N, T]
+    through (stride_ot, stride_oh) and (stride_lt, stride_lh). Otherwise writes float32
+    partials at [token, head, split] (stride_os, stride_ls); a row whose slice holds
+    no visible key gets lse -inf and no output (the combine never reads it).
+    """
+    group = tl.program_id(0)
+    split = tl.program_id(1)
+    req = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_begin = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_begin
+    num_rows = q_len * num_heads
+
+    rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
+    tok = rows // num_heads
+    head = rows % num_heads
+    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    limit = seq_len - q_len + tok + 1
+
+    chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
+    lo = split * chunk
+    # The program's last valid row has the largest limit; nothing past it is needed.
+    last_tok = (tl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
+    hi = tl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = tl.where(group * BLOCK_H < num_rows, hi, lo)
+
+    cols_l = tl.arange(0, BLOCK_L)
+    q_rows = (q_begin + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q_nope = tl.load(q_ptr + q_rows[:, None] + cols_l[None, :],
+                     mask=row_ok[:, None] & (cols_l[None, :] < L), other=0.0)
+    q_nope = _to_compute(q_nope, COMPUTE)
+    if R > 0:
+        cols_r = tl.arange(0, BLOCK_R)
+        q_pe = tl.load(q_ptr + q_rows[:, None] + L + cols_r[None, :],
+                       mask=row_ok[:, None] & (cols_r[None, :] < R), other=0.0)
+        q_pe = _to_compute(q_pe, COMPUTE)
+
+    # Scores in base 2: exp2 is the native instruction. An fp8 cache stores x / scale,
+    # so the per-tensor scale multiplies the scores here and the output at the end.
+    qk_scale = softmax_scale * 1.4426950408889634
+    if IS_FP8:
+        kv_scale = tl.load(scale_ptr)
+        qk_scale = qk_scale * kv_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if SWAP_AB:
+        # Transposed products: S^T = K Q^T [BLOCK_N, BLOCK_H] and O^T += V^T P^T
+        # [BLOCK_L, BLOCK_H]. Positions (and L) become the MMA's M dimension, so with
+        # few heads the tile still fills Hopper's 64-row wgmma, the cache tile is the
+        # A operand read straight from shared memory in both products, and the
+        # registers hold only O^T; heads are the narrow N dimension.
+        q_nope_t = tl.trans(q_nope)
+        if R > 0:
+            q_pe_t = tl.trans(q_pe)
+        acc_t = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            kv, k_pe, pos, pos_ok = _load_cache_tile(
+                data_ptr, table_row, start, hi, stride_db, stride_dp, COMPUTE,
+                L, R, PAGE, BLOCK_N, BLOCK_L, BLOCK_R, IS_FP8)
+            scores = tl.dot(kv, q_nope_t, input_precision=PRECISION)
+            if R > 0:
+                scores += tl.dot(k_pe, q_pe_t, input_precision=PRECISION)
+            visible = pos_ok[:, None] & (pos[:, None] < limit[None, :])
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(scores - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p.to(kv.dtype),
+                                                    input_precision=PRECISION)
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            kv, k_pe, pos, pos_ok = _load_cache_tile(
+                data_ptr, table_row, start, hi, stride_db, stride_dp, COMPUTE,
+                L, R, PAGE, BLOCK_N, BLOCK_L, BLOCK_R, IS_FP8)
+            scores = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
+            if R > 0:
+                scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
+            visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # Values are the first L columns of the same tile: no second load.
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+            m_i = m_new
+
+    has_key = l_i > 0.0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    if IS_FP8:
+        out = out * kv_scale
+    log_l = tl.math.log2(tl.where(has_key, l_i, 1.0))
+    lse = tl.where(has_key, (m_i + log_l) * 0.6931471805599453, float("-inf"))  # natural log
+
+    token = (q_begin + tok).to(tl.int64)
+    out_rows = token * stride_ot + head.to(tl.int64) * stride_oh
+    lse_at = token * stride_lt + head.to(tl.int64) * stride_lh
+    if DIRECT:
+        tl.store(out_ptr + out_rows[:, None] + cols_l[None, :],
+                 out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols_l[None, :] < L))
+        tl.store(lse_ptr + lse_at, lse, mask=row_ok)
+    else:
+        out_rows += split * stride_os
+        tl.store(out_ptr + out_rows[:, None] + cols_l[None, :], out,
+                 mask=(row_ok & has_key)[:, None] & (cols_l[None, :] < L))
+        tl.store(lse_ptr + lse_at + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
+    stride_pt, stride_ph, stride_ps,
+    stride_st, stride_sh, stride_ss,
+    stride_ot, stride_oh,
+    stride_lh, stride_lt,
+    num_heads, num_splits,
+    L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
+):
+    """One (column block, head x token of request, request): merge splits by lse.
+
+    All splits of the column block are loaded at once ([BLOCK_S, BLOCK_C]), so a
+    request with 100+ splits costs one round trip, not one per split. Only the splits
+    the request uses are read (derived from its seq_len as in stage 1), and a split
+    with lse -inf (no visible key) is not read at all.
+    """
+    col_block = tl.program_id(0)
+    head = tl.program_id(1) % num_heads
+    t = tl.program_id(1) // num_heads
+    req = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + req)
+    chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
+    used = tl.minimum(tl.cdiv(seq_len, chunk), num_splits)
+    used = tl.where(t < q_len, used, 0)  # tokens past this request's q_len: nothing
+
+    token = (q_begin + t).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + token * stride_st + head * stride_sh + splits * stride_ss,
+                  mask=splits < used, other=float("-inf"))
+    peak = tl.max(lse, 0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    weight = tl.math.exp2((lse - peak) * 1.4426950408889634)
+    total = tl.sum(weight, 0)
+
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
+                   + splits[:, None] * stride_ps + cols[None, :],
+                   mask=(weight > 0.0)[:, None] & (cols[None, :] < L), other=0.0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0.0, total, 1.0)
+    # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
+             out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
+    merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
+                      float("-inf"))
+    # Every column block writes the same lse value: a harmless duplicate store.
+    tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    kv_lora_rank: int,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MQA over the paged latent cache (as `reference.mla_decode`).
+
+    q [T, N, L + R]; data [num_blocks, block_size, L + R] (q's dtype or fp8, scaled by
+    `scale` [] float32 in the kernel); block_table int32 [B, max_blocks]; seq_lens int32
+    [B]; query_start_loc int32 [B + 1]. Token i of request b sees positions
+    < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] (q dtype), lse [N, T] float32.
+
+    max_query_len / max_seq_len are host ints bounding the batch: they size the grid
+    and must not be smaller than the true values. For CUDA graphs pass the largest
+    seq_len the graph will see (e.g. the model's max length): short requests still use
+    only the splits they need. num_splits / config override the planner (tuning, tests).
+    """
+    check_device(q, data)
+    num_tokens, num_heads, width = q.shape
+    L = kv_lora_rank
+    R = width - L
+    if data.shape[-1] != width:
+        raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty(num_tokens, num_heads, L, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_reqs == 0 or max_query_len <= 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    q = last_dim_contiguous(q)
+    data = last_dim_contiguous(data)
+    is_fp8 = data.dtype == FP8_DTYPE
+
+    cfg = config or pick_config(num_heads * max_query_len, q.dtype, is_fp8)
+    block_h = min(cfg.block_h, max(16, next_pow2(num_heads * max_query_len)))
+    cfg = replace(cfg, block_h=block_h)
+    block_n = cfg.block_n
+    head_groups = cdiv(num_heads * max_query_len, block_h)
+    if num_splits is None:
+        num_splits = plan_num_splits(
+            num_reqs, head_groups, max_seq_len, multiprocessor_count(q.device), cfg
+        )
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    direct = num_splits == 1
+    # fp8 widens to float16 (one instruction per two values; e4m3 is exact in float16)
+    # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
+    compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
+
+    block_l = max(16, next_pow2(L))
+    block_r = max(16, next_pow2(R)) if R > 0 else 16
+    if direct:
+        part_out, part_lse = out, lse
+        o_strides = (out.stride(0), out.stride(1), 0)
+        l_strides = (lse.stride(1), lse.stride(0), 0)
+    else:
+        part_out = torch.empty(num_tokens, num_heads, num_splits, L, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+        o_strides = part_out.stride()[:3]
+        l_strides = part_lse.stride()
+    _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
+        q, data, scale, block_table, seq_lens, query_start_loc, part_out, part_lse,
+        q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
+        *o_strides, *l_strides,
+        num_heads, num_splits, float(softmax_scale),
+        L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
+        BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
+        DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
+        COMPUTE=compute,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if direct:
+        return out, lse
+    block_s = next_pow2(num_splits)
+    block_c = max(16, min(block_l, COMBINE_ELEMENTS // block_s))
+    _decode_combine_kernel[(cdiv(L, block_c), num_heads * max_query_len, num_reqs)](
+        part_out, part_lse, seq_lens, query_start_loc, out, lse,
+        *part_out.stride()[:3], *part_lse.stride(),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        num_heads, num_splits,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, MIN_CHUNK=cfg.min_chunk,
+        CHUNK_ALIGN=block_n, num_warps=COMBINE_WARPS,
+    )
+    return out, lse

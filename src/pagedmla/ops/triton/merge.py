@@ -1,0 +1,110 @@
+"""merge_attn_states in one memory-bound Triton kernel.
+
+Grid (tokens, head blocks): a program merges BLOCK_HEADS heads x D of one token. Each
+element is read once from each partial and written once; the two lse values per head
+are read once and the merged lse written once. Outputs and lse views may have any
+strides (e.g. out[a:b] and lse[:, a:b] slices of running buffers) and may alias.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.ops.triton._utils import cdiv, check_device, last_dim_contiguous, next_pow2
+
+# Elements (heads x D) per program: 4096 gives each of 128 threads 32 elements, i.e.
+# several 16-byte loads in flight per tensor, which a bandwidth-bound kernel needs.
+MERGE_ELEMENTS = 4096
+MERGE_WARPS = 4
+
+
+@triton.jit
+def _merge_kernel(
+    prefix_ptr, prefix_lse_ptr, suffix_ptr, suffix_lse_ptr, out_ptr, out_lse_ptr,
+    stride_pt, stride_ph, stride_st, stride_sh, stride_ot, stride_oh,
+    stride_plh, stride_plt, stride_slh, stride_slt, stride_olh, stride_olt,
+    num_heads,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s) for one token."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    head_ok = heads < num_heads
+    h = heads.to(tl.int64)
+    lse_p = tl.load(prefix_lse_ptr + h * stride_plh + t * stride_plt, mask=head_ok,
+                    other=float("-inf"))
+    lse_s = tl.load(suffix_lse_ptr + h * stride_slh + t * stride_slt, mask=head_ok,
+                    other=float("-inf"))
+    # +inf is what some kernels report for a row with no key: treat it as empty.
+    lse_p = tl.where(lse_p == float("inf"), float("-inf"), lse_p)
+    lse_s = tl.where(lse_s == float("inf"), float("-inf"), lse_s)
+    peak = tl.maximum(lse_p, lse_s)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    w_p = tl.exp(lse_p - peak)
+    w_s = tl.exp(lse_s - peak)
+    total = w_p + w_s
+    has_key = total > 0.0
+    denom = tl.where(has_key, total, 1.0)
+
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols[None, :] < D
+    # An empty partial's output is not trusted (may be NaN): it is not even read.
+    o_p = tl.load(prefix_ptr + t * stride_pt + h[:, None] * stride_ph + cols[None, :],
+                  mask=(head_ok & (w_p > 0.0))[:, None] & col_ok, other=0.0)
+    o_s = tl.load(suffix_ptr + t * stride_st + h[:, None] * stride_sh + cols[None, :],
+                  mask=(head_ok & (w_s > 0.0))[:, None] & col_ok, other=0.0)
+    # In place, a head's lse is read by threads of several warps and written by one:
+    # every read must land before any write (found on an H200: without the barrier a
+    # warp could read an lse another warp had already merged).
+    tl.debug_barrier()
+    merged = o_p.to(tl.float32) * (w_p / denom)[:, None] + o_s.to(tl.float32) * (
+        w_s / denom)[:, None]
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & col_ok)
+    if WRITE_LSE:
+        merged_lse = tl.where(has_key, peak + tl.log(denom), float("-inf"))
+        tl.store(out_lse_ptr + h * stride_olh + t * stride_olt, merged_lse, mask=head_ok)
+
+
+def merge_attn_states(
+    prefix_output: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+) -> None:
+    """Merge two softmax partials over disjoint keys (as `reference.merge_attn_states`).
+
+    prefix_output / suffix_output / output [T, N, D]; prefix_lse / suffix_lse /
+    output_lse [N, T] float32, any strides. -inf or +inf lse = empty partial; two
+    empties give (0, -inf). `output` / `output_lse` may alias the inputs.
+    """
+    check_device(prefix_output, output)
+    num_tokens, num_heads, width = prefix_output.shape
+    if num_tokens == 0 or num_heads == 0:
+        return
+    prefix_output = last_dim_contiguous(prefix_output)
+    suffix_output = last_dim_contiguous(suffix_output)
+    target = last_dim_contiguous(output)
+    block_d = next_pow2(width)
+    block_heads = max(1, min(next_pow2(num_heads), MERGE_ELEMENTS // block_d))
+    write_lse = output_lse is not None
+    lse_out = output_lse if write_lse else prefix_lse  # never written when not asked
+    _merge_kernel[(num_tokens, cdiv(num_heads, block_heads))](
+        prefix_output, prefix_lse, suffix_output, suffix_lse, target, lse_out,
+        prefix_output.stride(0), prefix_output.stride(1),
+        suffix_output.stride(0), suffix_output.stride(1),
+        target.stride(0), target.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1),
+        suffix_lse.stride(0), suffix_lse.stride(1),
+        lse_out.stride(0), lse_out.stride(1),
+        num_heads,
+        D=width, BLOCK_D=block_d, BLOCK_HEADS=block_heads, WRITE_LSE=write_lse,
+        num_warps=MERGE_WARPS,
+    )
+    if target is not output:
+        output.copy_(target)

@@ -1,0 +1,610 @@
+"""The triton backend's kernels against the reference ops and the float64 oracle.
+
+Where they run
+* CUDA present: every test runs on the GPU (the small ones too); the `cuda`-marked
+  ones add the issue's matrix at real sizes (bf16, fp8, 128 heads, 128k contexts).
+* No CUDA: tests/conftest.py sets TRITON_INTERPRET=1 before Triton is imported, and
+  the small tests run the same kernels on CPU tensors in Triton's interpreter (tiny
+  shapes: the interpreter runs each program in numpy, one after another).
+
+What the interpreter (Triton 3.9) cannot check, and why
+* bfloat16: `tl.dot` on bfloat16 operands returns garbage, and float32 -> bfloat16
+  conversions truncate instead of rounding to nearest even. Interpreter tests use
+  float32 and float16; bf16 is checked by the cuda tests.
+* fp32 -> fp8 e4m3 conversion rounds wrongly where the mantissa carries into the
+  exponent (31.9 -> 16). The cache write kernel therefore rounds onto the e4m3 grid
+  itself when interpreted (SOFTWARE_ROUND); on the GPU the hardware conversion is used,
+  and test_write_cache_gpu_fp8_bits checks it bit for bit against torch.
+* Races between warps of one program (the interpreter runs a program as one numpy
+  step): the in-place merge race found on an H200 is covered by test_merge_gpu_bf16.
+* Performance, tensor-core (tf32/wgmma) numerics, pipelining (num_stages) and the
+  real multiprocessor count: the split planner sees 4 "multiprocessors" there.
+
+Both formulations of the decode products (direct, and SWAP_AB's transposed one) run
+on tiny tiles (TINY_CONFIGS); the production configs run in
+test_decode_default_config_and_planner and in every cuda test.
+
+Tolerances
+* float32 / float16 vs the reference op (same inputs, float32 math): the kernels add in
+  another order and, in float16, round the softmax weights to float16 before the PV
+  product: max abs error 2e-5 (float32) / 3e-3 (float16, outputs of magnitude ~1),
+  lse within 1e-5 / 1e-4 (scores are accumulated in float32 in both dtypes).
+* bfloat16 (GPU): softmax weights are rounded to bf16 (8-bit mantissa, unit roundoff
+  4e-3) before the PV product: relative L2 error of the output < 1e-2, lse within 2e-3
+  (an fp8 cache with a bf16 q computes in float16: the same bounds hold). merge in
+  bf16 only rounds its result: relative error < 1e-3.
+* Cache write and gather are data movement: bit-exact (fp8 included).
+* MLAAttention(backend="triton") vs the float64 oracle: 2e-4 in float32, as the
+  reference backend's tests (tests/test_attention_oracle.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
+from pagedmla.ops import reference as ref
+from pagedmla.testing import make_paged_batch, relative_error
+
+pytest.importorskip("triton")
+
+from pagedmla.ops.triton import (
+    gather_cache,
+    merge_attn_states,
+    mla_decode,
+    varlen_attention,
+    write_cache,
+)
+from pagedmla.ops.triton._utils import INTERPRETED
+from pagedmla.ops.triton.decode import (
+    DECODE_CONFIGS,
+    MAX_SPLITS,
+    DecodeConfig,
+    pick_config,
+    plan_num_splits,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+FP8 = torch.float8_e4m3fn
+
+runnable = pytest.mark.skipif(
+    not (HAS_CUDA or INTERPRETED),
+    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported "
+    "(tests/conftest.py sets it when CUDA is missing)",
+)
+cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
+TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
+                           programs_per_sm=1)
+# Both formulations of the stage-1 products (O = P V and O^T = V^T P^T).
+TINY_CONFIGS = pytest.mark.parametrize(
+    "config", [TINY_DECODE, replace(TINY_DECODE, swap_ab=True)], ids=["qk", "swapped"])
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 2e-3}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def _poison_allocator(device: str) -> None:
+    """Leave NaN in freed memory so that an output row a kernel forgets shows as NaN."""
+    for size in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 24):
+        torch.full((size,), math.nan, device=device)
+
+
+def _cu(lens: list[int], device: str = DEVICE) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _paged_cache(
+    seq_lens: list[int], block_size: int, width: int, cache_dtype: torch.dtype,
+    gen: torch.Generator, scale: float = 1.0, device: str = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled cache with block 0 reserved and each request's blocks drawn from a
+    permutation of the rest; valid rows ~ N(0, 1) (stored / scale for fp8). Block-table
+    entries past a request's blocks point far outside the cache."""
+    used = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(used) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.full((len(seq_lens), max(used, default=0) + 1), 10**6, dtype=torch.int32)
+    data = torch.full((num_blocks, block_size, width), math.nan)
+    taken = 0
+    for b, (n, s) in enumerate(zip(used, seq_lens)):
+        table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.int32)
+        taken += n
+        pos = torch.arange(s)
+        slots = table[b, pos // block_size].long() * block_size + pos % block_size
+        data.view(-1, width)[slots] = torch.randn(s, width, generator=gen)
+    if cache_dtype == FP8:
+        data = data / scale
+    return data.to(cache_dtype).to(device), table.to(device)
+
+
+def _decode_case(
+    q_lens: list[int], seq_lens: list[int], num_heads: int, L: int, R: int, block_size: int,
+    dtype: torch.dtype, cache_dtype: torch.dtype, seed: int, device: str = DEVICE,
+):
+    gen = torch.Generator().manual_seed(seed)
+    scale = 0.37 if cache_dtype == FP8 else 1.0
+    data, table = _paged_cache(seq_lens, block_size, L + R, cache_dtype, gen, scale, device)
+    q = torch.randn(sum(q_lens), num_heads, L + R, generator=gen).to(device, dtype)
+    args = (
+        q, data, torch.tensor(scale, device=device), table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=device), _cu(q_lens, device),
+        max(q_lens), max(seq_lens), L, (L + R) ** -0.5,
+    )
+    return args
+
+
+def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
+    _poison_allocator(str(args[0].device))
+    out, lse = mla_decode(*args, **kwargs)
+    want_out, want_lse = ref.mla_decode(*args)
+    assert out.shape == want_out.shape and out.dtype == want_out.dtype
+    assert lse.shape == want_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    if dtype == torch.bfloat16:
+        assert relative_error(out, want_out.double()) < 1e-2
+    else:
+        torch.testing.assert_close(out.float(), want_out.float(), atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=LSE_ATOL[dtype], rtol=1e-5)
+
+
+# --- decode ------------------------------------------------------------------------------
+
+
+@runnable
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@TINY_CONFIGS
+def test_decode_single_token(block_size: int, dtype: torch.dtype, config: DecodeConfig) -> None:
+    # seq_len 1 (no context), lengths not page-aligned, a long one crossing many tiles.
+    args = _decode_case([1] * 5, [1, 2, block_size + 1, 37, 150], 5, 64, 16, block_size,
+                        dtype, dtype, seed=10 + block_size)
+    _check_decode(args, dtype, config=config, num_splits=3)
+
+
+@runnable
+@pytest.mark.parametrize("max_q", [2, 3, 4])
+@TINY_CONFIGS
+def test_decode_multi_token_bottom_right_causal(max_q: int, config: DecodeConfig) -> None:
+    # q_len 1..max_q per request (varlen), q_len == seq_len included; 5 heads x max_q
+    # rows share one program, so rows of different tokens see different prefixes.
+    q_lens = [1, max_q, max(1, max_q - 1), max_q]
+    seq_lens = [9, max_q, 41, 100]
+    args = _decode_case(q_lens, seq_lens, 5, 32, 16, 16, torch.float32, torch.float32,
+                        seed=20 + max_q)
+    _check_decode(args, torch.float32, config=config, num_splits=4)
+
+
+@runnable
+@pytest.mark.parametrize("num_splits", [1, 2, 7, None])
+@TINY_CONFIGS
+def test_decode_split_counts_agree(num_splits: int | None, config: DecodeConfig) -> None:
+    # 1: stage 1 writes the output directly; 7: most splits of short requests are empty
+    # (lse -inf, never read); None: the planner's choice.
+    args = _decode_case([1, 2, 1], [3, 90, 200], 4, 64, 16, 16, torch.float32,
+                        torch.float32, seed=30)
+    _check_decode(args, torch.float32, config=config, num_splits=num_splits)
+
+
+@runnable
+def test_decode_default_config_and_planner() -> None:
+    # The production configs (not TINY_DECODE) on a small case: 17 heads, not a power of 2.
+    args = _decode_case([1, 1, 2], [5, 300, 77], 17, 64, 16, 16, torch.float16,
+                        torch.float16, seed=35)
+    _check_decode(args, torch.float16)
+
+
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@TINY_CONFIGS
+def test_decode_fp8_cache(dtype: torch.dtype, config: DecodeConfig) -> None:
+    # The per-tensor scale (0.37) is applied in the kernel, to scores and outputs.
+    args = _decode_case([1, 3, 1], [1, 50, 130], 4, 64, 16, 16, dtype, FP8, seed=40)
+    _check_decode(args, dtype, config=config, num_splits=3)
+
+
+@runnable
+@TINY_CONFIGS
+def test_decode_nope_and_odd_widths(config: DecodeConfig) -> None:
+    # R = 0 (NoPE), L = 48 (not a power of two); then R = 8 (padded to 16 with masks).
+    args = _decode_case([1, 2], [20, 33], 3, 48, 0, 16, torch.float32, torch.float32, seed=50)
+    _check_decode(args, torch.float32, config=config, num_splits=2)
+    args = _decode_case([1, 2], [20, 33], 3, 40, 8, 1, torch.float32, torch.float32, seed=51)
+    _check_decode(args, torch.float32, config=config, num_splits=2)
+
+
+@runnable
+@TINY_CONFIGS
+def test_decode_padded_request_is_harmless(config: DecodeConfig) -> None:
+    # A CUDA-graph padding request (q_len 0, seq_len 0) between real ones.
+    args = list(_decode_case([1, 1], [30, 12], 4, 32, 16, 16, torch.float32, torch.float32,
+                             seed=60))
+    q, table = args[0], args[3]
+    table = torch.cat([table[:1], torch.full_like(table[:1], 10**6), table[1:]])
+    seq_lens = torch.tensor([30, 0, 12], dtype=torch.int32, device=q.device)
+    qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=q.device)
+    args[3:6] = table, seq_lens, qsl
+    _check_decode(tuple(args), torch.float32, config=config, num_splits=3)
+
+
+def test_split_planner() -> None:
+    # Host-only: no kernel runs. H200: 132 multiprocessors.
+    cfg16, cfg64 = DECODE_CONFIGS["rows16"], DECODE_CONFIGS["rows64"]
+    # B = 1, N = 128 (two head groups of 64), 64k context: fill the GPU with splits.
+    splits = plan_num_splits(1, 2, 65536, 132, cfg64)
+    assert 0.9 * 132 <= 2 * splits <= 132
+    # B = 1, N = 16, 128k: one head group; every multiprocessor gets a split.
+    assert 0.9 * 132 <= plan_num_splits(1, 1, 131072, 132, cfg16) <= MAX_SPLITS
+    # Enough requests x head groups for a wave: no split (no combine pass).
+    assert plan_num_splits(128, 2, 8192, 132, cfg64) == 1
+    # Short contexts never split below min_chunk positions.
+    assert plan_num_splits(1, 1, 100, 132, cfg16) == 1
+    assert plan_num_splits(4, 1, 2048, 132, cfg16) <= 2048 // cfg16.min_chunk
+    assert plan_num_splits(64, 1, 0, 132, cfg16) == 1
+    for batch in (1, 3, 64, 256):
+        for seq in (1, 1000, 131072):
+            s = plan_num_splits(batch, 1, seq, 132, cfg16)
+            assert 1 <= s <= MAX_SPLITS
+    assert pick_config(16, torch.bfloat16).block_h == 16
+    assert pick_config(128, torch.bfloat16).block_h == 64
+
+
+# --- merge -------------------------------------------------------------------------------
+
+
+def _merge_inputs(T: int, N: int, D: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    po = torch.randn(T, N, D, generator=gen).to(DEVICE, dtype)
+    so = torch.randn(T, N, D, generator=gen).to(DEVICE, dtype)
+    # lse as strided [N, T] views: every other column of a wider buffer, and a slice.
+    pl = (torch.randn(N, 2 * T, generator=gen) * 3).to(DEVICE)[:, ::2]
+    sl = (torch.randn(N, T + 5, generator=gen) * 3).to(DEVICE)[:, 5:]
+    # Empty partials (-inf, +inf) with NaN outputs behind them; both empty; huge gap.
+    for t, h in ((0, 0), (1, 2), (3, N - 1)):
+        pl[h, t] = -math.inf
+        po[t, h] = math.nan
+    sl[1, 0] = math.inf
+    so[0, 1] = math.nan
+    pl[2, 4], sl[2, 4] = -math.inf, -math.inf
+    po[4, 2] = so[4, 2] = math.nan
+    pl[0, 5], sl[0, 5] = 80.0, -80.0
+    return po, pl, so, sl
+
+
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D", [24, 128])
+def test_merge_matches_reference(dtype: torch.dtype, D: int) -> None:
+    po, pl, so, sl = _merge_inputs(9, 5, D, dtype, seed=70 + D)
+    out = torch.full_like(po, math.nan)
+    out_lse = torch.full((5, 9), math.nan, device=DEVICE)
+    merge_attn_states(po, pl, so, sl, out, out_lse)
+    want, want_lse = torch.empty_like(po), torch.empty_like(out_lse)
+    ref.merge_attn_states(po, pl, so, sl, want, want_lse)
+    assert not out.isnan().any() and not out_lse.isnan().any()
+    torch.testing.assert_close(out.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(out_lse, want_lse, atol=1e-5, rtol=1e-6)
+    assert out_lse[2, 4] == -math.inf and (out[4, 2] == 0).all()
+
+
+@runnable
+def test_merge_in_place_without_lse() -> None:
+    # output aliases prefix_output, output_lse aliases prefix_lse (a strided slice);
+    # then output alone in place with output_lse None.
+    po, pl, so, sl = _merge_inputs(9, 5, 24, torch.float32, seed=80)
+    want, want_lse = torch.empty_like(po), torch.empty(5, 9, device=DEVICE)
+    ref.merge_attn_states(po, pl, so, sl, want, want_lse)
+    buf, lse_buf = po.clone(), pl.clone()
+    merge_attn_states(buf, lse_buf, so, sl, buf, lse_buf)
+    torch.testing.assert_close(buf, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse_buf, want_lse, atol=1e-5, rtol=1e-6)
+    buf = so.clone()
+    merge_attn_states(po, pl, buf, sl, buf, None)
+    torch.testing.assert_close(buf, want, atol=2e-5, rtol=0)
+
+
+# --- cache write and gather ---------------------------------------------------------------
+
+
+@runnable
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, FP8),
+     (torch.float16, FP8)],
+)
+def test_write_cache_bit_exact(block_size: int, dtype: torch.dtype,
+                               cache_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(90 + block_size)
+    L, R, T, num_blocks = 64, 16, 21, 24
+    # Large values so that fp8 saturates at +-448 after x / 0.37.
+    kv_c = (torch.randn(T, L, generator=gen) * 60).to(DEVICE, dtype)
+    k_pe = torch.randn(T, 2 * R, generator=gen).to(DEVICE, dtype)[:, ::2]  # strided view
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+    slots[torch.tensor([0, 5, 6])] = -1
+    slots = slots.to(DEVICE)
+    scale = torch.tensor(0.37, device=DEVICE)
+    data = torch.full((num_blocks, block_size, L + R), math.nan).to(DEVICE, cache_dtype)
+    want = data.clone()
+    write_cache(data, kv_c, k_pe, slots, scale)
+    ref.write_cache(want, kv_c, k_pe, slots, scale)
+    assert torch.equal(_bits(data), _bits(want))
+
+
+@runnable
+def test_write_cache_nope() -> None:
+    data = torch.full((3, 4, 32), math.nan, device=DEVICE)
+    want = data.clone()
+    kv_c = torch.randn(5, 32, device=DEVICE)
+    k_pe = torch.empty(5, 0, device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 11, 7], device=DEVICE)
+    scale = torch.tensor(1.0, device=DEVICE)
+    write_cache(data, kv_c, k_pe, slots, scale)
+    ref.write_cache(want, kv_c, k_pe, slots, scale)
+    assert torch.equal(_bits(data), _bits(want))
+
+
+def _gather_case(block_size: int, width: int, cache_dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [3 * block_size + 2, 1, 40]
+    data, table = _paged_cache(contexts, block_size, width, cache_dtype, gen, 0.37)
+    starts = [1, 0, 7]
+    counts = [contexts[0] - 1, 1, 20]
+    token_to_seq = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+    return (data, torch.tensor(0.37, device=DEVICE), table,
+            torch.tensor(starts, dtype=torch.int32, device=DEVICE), _cu(counts),
+            token_to_seq.to(DEVICE, torch.int32))
+
+
+@runnable
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize(
+    ("cache_dtype", "out_dtype"),
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (FP8, torch.float32),
+     (FP8, torch.float16)],
+)
+def test_gather_cache_bit_exact(block_size: int, cache_dtype: torch.dtype,
+                                out_dtype: torch.dtype) -> None:
+    args = _gather_case(block_size, 80, cache_dtype, seed=100 + block_size)
+    rows = args[-1].shape[0]
+    out = torch.full((rows, 80), math.nan, dtype=out_dtype, device=DEVICE)
+    want = torch.empty_like(out)
+    gather_cache(*args, out)
+    ref.gather_cache(*args, want)
+    assert not out.isnan().any()
+    assert torch.equal(_bits(out), _bits(want))
+
+
+@runnable
+@pytest.mark.parametrize("width", [48, 40, 64])
+def test_gather_cache_widths(width: int) -> None:
+    # 48 = 32 + 16, 40 = 32 + 8, 64 = 64 + 0 (NoPE): the power-of-two split of a row.
+    args = _gather_case(16, width, torch.float32, seed=110 + width)
+    out = torch.full((args[-1].shape[0], width), math.nan, device=DEVICE)
+    want = torch.empty_like(out)
+    gather_cache(*args, out)
+    ref.gather_cache(*args, want)
+    assert torch.equal(out, want)
+
+
+# --- varlen prefill attention --------------------------------------------------------------
+
+
+def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), N, qk, generator=gen).to(device, dtype)
+    # k and v as strided views of one buffer, as the up-projection produces them.
+    kv = torch.randn(sum(k_lens), N, qk + dv, generator=gen).to(device, dtype)
+    k, v = kv[..., :qk], kv[..., qk:]
+    args = (q, k, v, _cu(q_lens, device), _cu(k_lens, device), max(q_lens), max(k_lens),
+            qk**-0.5, causal)
+    _poison_allocator(device)
+    out, lse = varlen_attention(*args)
+    want, want_lse = ref.varlen_attention(*args)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(lse.isneginf(), want_lse.isneginf())
+    if dtype == torch.bfloat16:
+        assert relative_error(out, want.double()) < 1e-2
+    else:
+        torch.testing.assert_close(out.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    finite = want_lse.isfinite()
+    torch.testing.assert_close(lse[finite], want_lse[finite], atol=LSE_ATOL[dtype], rtol=1e-5)
+
+
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("qk", "dv"), [(48, 24), (24, 8), (16, 16)])
+def test_varlen_causal(dtype: torch.dtype, qk: int, dv: int) -> None:
+    # Lengths 0 and 1, one block, several blocks with a partial last one.
+    lens = [0, 1, 5, 33, 70]
+    _check_varlen(lens, lens, 3, qk, dv, dtype, True, seed=120 + qk)
+
+
+@runnable
+def test_varlen_causal_fewer_keys_than_queries() -> None:
+    # Bottom-right alignment with q_len > k_len: the first queries see no key at all.
+    _check_varlen([6, 40], [2, 35], 2, 48, 24, torch.float32, True, seed=130)
+
+
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_varlen_unmasked_context(dtype: torch.dtype) -> None:
+    # Context chunks: separate query and key lengths, keys 0 (no key: out 0, lse -inf).
+    _check_varlen([3, 1, 9, 40], [7, 0, 1, 90], 2, 48, 24, dtype, False, seed=140)
+
+
+@runnable
+def test_varlen_deepseek_dims_small() -> None:
+    # 192 / 128 (DeepSeek): the qk dot is a 128-wide and a 64-wide tl.dot.
+    _check_varlen([1, 20], [1, 20], 2, 192, 128, torch.float16, True, seed=150)
+
+
+# --- the public layer against the float64 oracle --------------------------------------------
+
+
+SMALL = MLADims(num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                v_head_dim=24)
+
+
+def _run_layer(batch, backend: str, decode_threshold: int, workspace_rows: int | None):
+    meta = MLAMetadataBuilder(batch.dims, block_size=batch.block_size, device=DEVICE,
+                              workspace_rows=workspace_rows,
+                              decode_threshold=decode_threshold).build(batch.spec)
+    attn = MLAAttention(batch.dims, softmax_scale=batch.softmax_scale,
+                        kv_b_proj=batch.kv_b_proj, backend=backend)
+    return attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, meta)
+
+
+@runnable
+@pytest.mark.parametrize(
+    ("dims", "cache_dtype", "block_size"),
+    [(SMALL, "auto", 16), (SMALL, "fp8", 1),
+     (MLADims(num_heads=3, kv_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=0,
+              v_head_dim=16), "auto", 64)],
+    ids=["float32", "fp8-page1", "nope-page64"],
+)
+def test_layer_matches_oracle(dims: MLADims, cache_dtype: str, block_size: int) -> None:
+    # Decodes (1 and 2 tokens), then prefills with and without context, context forced
+    # into several chunks with a continuation: every op of the backend is used.
+    q_lens = [1, 2, 1, 7, 5]
+    seq_lens = [40, 19, 1, 7, 60]
+    batch = make_paged_batch(dims, q_lens, seq_lens, block_size, kv_cache_dtype=cache_dtype,
+                             fp8_scale=0.37, seed=160 + block_size, device=DEVICE)
+    out = _run_layer(batch, "triton", decode_threshold=2, workspace_rows=max(16, block_size))
+    assert not out.isnan().any()
+    err = relative_error(out, batch.oracle(decode_threshold=2))
+    assert err < 2e-4, f"relative error {err:.3g}"
+    assert batch.cache_mismatches() == 0
+
+
+# --- GPU: the issue's matrix at real sizes ------------------------------------------------------
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("num_heads", [1, 16, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_gpu_matrix(num_heads: int, block_size: int, cache: str) -> None:
+    # Lengths 1, 2, page + 1, not page-aligned, a few thousand; q_len 1.
+    seq_lens = [1, 2, block_size + 1, 1000, 4097, 333]
+    cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
+    args = _decode_case([1] * len(seq_lens), seq_lens, num_heads, 512, 64, block_size,
+                        torch.bfloat16, cache_dtype, seed=200 + num_heads + block_size)
+    _check_decode(args, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("max_q", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_decode_gpu_multi_token(max_q: int, num_heads: int) -> None:
+    q_lens = [max_q, 1, max(1, max_q // 2), max_q]
+    seq_lens = [max_q, 700, 2049, 5000]
+    args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, 64, torch.bfloat16,
+                        torch.bfloat16, seed=300 + max_q)
+    _check_decode(args, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize(("num_heads", "seq_len"), [(16, 131072), (128, 131072), (128, 65536)])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_gpu_long_context(num_heads: int, seq_len: int, cache: str) -> None:
+    # B = 1 with up to 128k positions: many splits and the combine pass.
+    gen = torch.Generator(device="cuda").manual_seed(400)
+    block_size, L, R = 64, 512, 64
+    blocks = seq_len // block_size + 2
+    cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
+    data = torch.randn(blocks, block_size, L + R, device="cuda", generator=gen)
+    data = data.to(cache_dtype)
+    table = (torch.randperm(blocks - 1, device="cuda", generator=gen) + 1).int()[None]
+    q = torch.randn(1, num_heads, L + R, device="cuda", generator=gen).bfloat16()
+    args = (q, data, torch.tensor(0.5 if cache == "fp8" else 1.0, device="cuda"), table,
+            torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
+            torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, seq_len, L,
+            (L + R) ** -0.5)
+    _check_decode(args, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize(("qk", "dv"), [(192, 128), (256, 256), (128, 128)])
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu(qk: int, dv: int, num_heads: int, causal: bool) -> None:
+    q_lens = [0, 1, 300, 1029]
+    k_lens = q_lens if causal else [5, 0, 2000, 1029]
+    _check_varlen(q_lens, k_lens, num_heads, qk, dv, torch.bfloat16, causal, seed=500)
+
+
+@pytest.mark.cuda
+@cuda
+def test_merge_gpu_bf16() -> None:
+    po, pl, so, sl = _merge_inputs(2048, 128, 128, torch.bfloat16, seed=600)
+    out, out_lse = torch.full_like(po, math.nan), torch.full((128, 2048), math.nan,
+                                                              device="cuda")
+    merge_attn_states(po, pl, so, sl, out, out_lse)
+    want, want_lse = torch.empty_like(po), torch.empty_like(out_lse)
+    ref.merge_attn_states(po, pl, so, sl, want, want_lse)
+    # Only bf16 rounding of the result separates the two (~1e-5 relative).
+    assert relative_error(out, want.double()) < 1e-3
+    torch.testing.assert_close(out_lse, want_lse, atol=1e-5, rtol=1e-6)
+    # In place over the prefix (as the chunked-context prefill does): the lse is read
+    # and written by different warps of one program.
+    merge_attn_states(po, pl, so, sl, po, pl)
+    assert relative_error(po, want.double()) < 1e-3
+    torch.testing.assert_close(pl, want_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_cache_gpu_fp8_bits(dtype: torch.dtype) -> None:
+    # The hardware fp32 -> e4m3 conversion vs torch's, on every e4m3 value, every
+    # midpoint between neighbours (ties to even) and values past the +-448 clamp.
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([500.0, -1e6, 449.0])])
+    values = torch.cat([values, torch.randn(4096) * 100])
+    L = 64
+    values = torch.cat([values, values.new_zeros(-values.numel() % L)]).view(-1, L)
+    values = values.to("cuda", dtype)
+    rows = values.shape[0]
+    for scale in (1.0, 0.37):
+        s = torch.tensor(scale, device="cuda")
+        data = torch.zeros(rows, 1, L, dtype=FP8, device="cuda")
+        want = data.clone()
+        slots = torch.arange(rows, device="cuda")
+        pe = values.new_zeros(rows, 0)
+        write_cache(data, values, pe, slots, s)
+        ref.write_cache(want, values, pe, slots, s)
+        assert torch.equal(_bits(data), _bits(want))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_layer_gpu_bf16_oracle(cache_dtype: str) -> None:
+    dims = MLADims(num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128)
+    q_lens = [1, 1, 2, 300, 37]
+    seq_lens = [1, 900, 70, 300, 2000]
+    batch = make_paged_batch(dims, q_lens, seq_lens, 64, dtype=torch.bfloat16,
+                             kv_cache_dtype=cache_dtype, fp8_scale=0.37, seed=700,
+                             device="cuda")
+    out = _run_layer(batch, "triton", decode_threshold=2, workspace_rows=1024)
+    assert relative_error(out, batch.oracle(decode_threshold=2)) < 2e-2
+    assert batch.cache_mismatches() == 0
