@@ -26,6 +26,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks to shard the model over (processes started here, or torchrun)")
+    parser.add_argument("--decode-context-parallel-size", type=int, default=1,
+                        help="ranks (dividing the TP size) that share each sequence's KV cache")
+    parser.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
+                        help="consecutive tokens per rank in the decode context parallel layout")
 
 
 def _make_llm(args: argparse.Namespace):
@@ -43,6 +49,9 @@ def _make_llm(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         backend=args.backend,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
     )
 
 

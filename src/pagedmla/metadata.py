@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ import torch
 from pagedmla.device import resolve_device
 from pagedmla.dims import MLADims
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
+
+if TYPE_CHECKING:
+    from pagedmla.distributed.dcp_attention import DCPContextGather, DCPDecode
 
 
 @dataclass
@@ -60,7 +64,9 @@ class DecodeMetadata:
     """The first num_decodes requests: absorbed MQA over the paged cache.
 
     block_table [Bd, max_blocks] int32; seq_lens [Bd] int32; query_start_loc [Bd + 1]
-    int32 (token offsets, bottom-right causal inside each request).
+    int32 (token offsets, bottom-right causal inside each request). dcp: under decode
+    context parallelism, the query gather and partial combine around the kernel (the
+    seq_lens are then this rank's row counts); None on a single rank.
     """
 
     block_table: torch.Tensor
@@ -68,6 +74,7 @@ class DecodeMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    dcp: DCPDecode | None = None
 
 
 @dataclass
@@ -97,12 +104,17 @@ class ContextChunk:
 
 @dataclass
 class ChunkedContext:
-    """All context chunks of the prefills, and the prefills that have no context."""
+    """All context chunks of the prefills, and the prefills that have no context.
+
+    dcp: under decode context parallelism, how each chunk's rows are collected from the
+    ranks that hold them (replaces the local gather); None on a single rank.
+    """
 
     context_lens: list[int]
     chunks: list[ContextChunk]
     empty_token_slices: list[slice]
     workspace: Workspace
+    dcp: DCPContextGather | None = None
 
 
 @dataclass
@@ -240,6 +252,9 @@ class MLAMetadataBuilder:
             )
         self.dims = dims
         self.block_size = block_size
+        # Tokens covered by one block-table entry: block_size here; a decode context
+        # parallel builder spreads an entry's tokens over several ranks' blocks.
+        self.table_block_size = block_size
         self.device = resolve_device(device)
         self.decode_threshold = decode_threshold
         self.workspace = Workspace(workspace_rows, self.device)
@@ -273,9 +288,10 @@ class MLAMetadataBuilder:
         upload = _Int32Upload()
         table_handle = upload.add(block_table.numpy())
         decode_handles = prefill_handles = None
+        decode_seq_lens = self._decode_seq_lens(seq_lens[:num_decodes])
         if num_decodes:
             decode_handles = (
-                upload.add(seq_lens[:num_decodes]),
+                upload.add(decode_seq_lens),
                 upload.add(query_start_loc[: num_decodes + 1]),
             )
         plans: list[ContextChunkPlan] = []
@@ -285,12 +301,7 @@ class MLAMetadataBuilder:
             context_lens = [
                 s - q for s, q in zip(seq_lens[num_decodes:], query_lens[num_decodes:])
             ]
-            plans = plan_context_chunks(
-                context_lens,
-                row_budget=self.workspace.rows,
-                max_context_chunk=self.workspace.rows // self.block_size * self.block_size,
-                split_alignment=self.block_size,
-            )
+            plans = self._plan_context(context_lens)
             prefill_handles = (upload.add(prefill_qsl), [self._chunk_arrays(upload, p, prefill_qsl)
                                                          for p in plans])
         packed = upload.upload(self.device)
@@ -306,7 +317,7 @@ class MLAMetadataBuilder:
                 seq_lens=view(decode_handles[0]),
                 query_start_loc=view(decode_handles[1]),
                 max_query_len=max(query_lens[:num_decodes]),
-                max_seq_len=max(seq_lens[:num_decodes]),
+                max_seq_len=max(decode_seq_lens),
             )
         prefill = None
         if prefill_handles is not None:
@@ -317,7 +328,7 @@ class MLAMetadataBuilder:
         slots = slot_mapping.to(self.device, non_blocking=True)
         max_block = 0
         for b in range(num_reqs):
-            used = -(-seq_lens[b] // self.block_size)
+            used = -(-seq_lens[b] // self.table_block_size)
             if used:
                 max_block = max(max_block, int(block_table[b, :used].max()))
         return MLAMetadata(
@@ -335,6 +346,19 @@ class MLAMetadataBuilder:
             device=self.device,
             decode=decode,
             prefill=prefill,
+        )
+
+    def _decode_seq_lens(self, seq_lens: list[int]) -> list[int]:
+        """Keys each decode request attends to in this rank's cache: all of them here."""
+        return seq_lens
+
+    def _plan_context(self, context_lens: list[int]) -> list[ContextChunkPlan]:
+        """Chunks of the prefills' context, each within the workspace."""
+        return plan_context_chunks(
+            context_lens,
+            row_budget=self.workspace.rows,
+            max_context_chunk=self.workspace.rows // self.block_size * self.block_size,
+            split_alignment=self.block_size,
         )
 
     def _validate(
@@ -361,15 +385,16 @@ class MLAMetadataBuilder:
                 f"block_table has {block_table.shape[0]} rows, expected {num_reqs} (one per "
                 "request)"
             )
-        capacity = block_table.shape[1] * self.block_size
+        capacity = block_table.shape[1] * self.table_block_size
         longest = max(seq_lens)
         if longest > capacity:
             raise ValueError(
-                f"block_table is too short: {block_table.shape[1]} blocks of {self.block_size} "
-                f"hold {capacity} tokens, but a request has seq_len {longest}"
+                f"block_table is too short: {block_table.shape[1]} blocks of "
+                f"{self.table_block_size} hold {capacity} tokens, but a request has seq_len "
+                f"{longest}"
             )
         for b, s in enumerate(seq_lens):
-            used = -(-s // self.block_size)
+            used = -(-s // self.table_block_size)
             if used and int(block_table[b, :used].min()) < 0:
                 raise ValueError(f"block_table[{b}] has a negative block id among its {used} used")
         num_tokens = sum(query_lens)

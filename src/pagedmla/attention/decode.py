@@ -31,7 +31,10 @@ def absorbed_decode(
     # [N, Td, P] @ [N, P, L], written straight into the token-major query buffer.
     torch.bmm(q_nope.transpose(0, 1), W_UK, out=q_mqa[..., :L].transpose(0, 1))
     q_mqa[..., L:] = q_pe
-    latent_out, _ = ops.mla_decode(
+    if meta.dcp is not None:
+        # Decode context parallel: attend for the whole group's heads over this rank's rows.
+        q_mqa = meta.dcp.gather_queries(q_mqa)
+    latent_out, lse = ops.mla_decode(
         q_mqa,
         cache.data,
         cache.scale,
@@ -43,4 +46,6 @@ def absorbed_decode(
         L,
         softmax_scale,
     )
+    if meta.dcp is not None:
+        latent_out = meta.dcp.combine(latent_out, lse)
     return torch.bmm(latent_out.transpose(0, 1), W_UV).transpose(0, 1)

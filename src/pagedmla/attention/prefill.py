@@ -75,10 +75,14 @@ def _context_attention(
     out = lse = None
     for chunk in context.chunks:
         rows = workspace[: chunk.num_context_tokens]
-        ops.gather_cache(
-            cache.data, cache.scale, meta.block_table[chunk.request_slice], chunk.starts,
-            chunk.cu_seq_lens, chunk.token_to_seq, rows,
-        )
+        if context.dcp is None:
+            ops.gather_cache(
+                cache.data, cache.scale, meta.block_table[chunk.request_slice], chunk.starts,
+                chunk.cu_seq_lens, chunk.token_to_seq, rows,
+            )
+        else:
+            # The rows are spread over the decode context parallel group: collect them.
+            context.dcp.gather(chunk, cache, meta.block_table, ops, rows)
         k, v = up_project(rows[:, :L], rows[:, L:], kv_b_proj, N, P)
         chunk_out, chunk_lse = ops.varlen_attention(
             q[chunk.token_slice], k, v, chunk.query_start_loc, chunk.cu_seq_lens,

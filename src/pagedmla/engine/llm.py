@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from pagedmla.cache import LatentKVCache, resolve_cache_dtype
 from pagedmla.device import resolve_device
+from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.sampler import sample
@@ -63,6 +64,15 @@ class LLM:
     The KV cache holds `num_kv_blocks` blocks of `block_size` tokens per layer; when
     None it is sized from `gpu_memory_utilization` of the GPU's memory after the model
     and the chunked-prefill workspace are accounted for (on the CPU: 64Ki tokens).
+
+    tensor_parallel_size > 1 shards the model over that many ranks (one per GPU, or
+    CPU processes with gloo): started here as worker processes, or under torchrun,
+    where every rank constructs the LLM with the same arguments and calls generate()
+    alike (rank 0 schedules and samples; every rank returns the outputs).
+    decode_context_parallel_size (dividing it) spreads each sequence's cached latents
+    over that many ranks, dealt round-robin in runs of cp_kv_cache_interleave_size
+    tokens: a block then holds block_size tokens per rank. close() (or a `with` block)
+    stops the workers; they also stop when this process exits.
     """
 
     def __init__(
@@ -83,12 +93,11 @@ class LLM:
         seed: int = 0,
         backend: str = "auto",
         max_model_len: int | None = None,
+        cp_kv_cache_interleave_size: int = 1,
     ) -> None:
-        if tensor_parallel_size != 1 or decode_context_parallel_size != 1:
-            raise NotImplementedError(
-                "tensor_parallel_size and decode_context_parallel_size > 1 are not available "
-                f"yet (got {tensor_parallel_size}, {decode_context_parallel_size})"
-            )
+        # The arguments as given: spawned tensor parallel ranks construct the same LLM.
+        options = {name: value for name, value in locals().items() if name != "self"}
+        check_parallel_sizes(tensor_parallel_size, decode_context_parallel_size)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -96,10 +105,18 @@ class LLM:
         device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.parallel = None
+        if tensor_parallel_size > 1:
+            from pagedmla.distributed.runtime import ParallelRuntime
+
+            self.parallel = ParallelRuntime.start(options, device)
+            device = self.parallel.device
         torch.manual_seed(seed)
         self.device = device
         self.dtype = dtype
         self.model, self.config, self.tokenizer = load_model(model, dtype, device, backend)
+        if self.parallel is not None:
+            self.model = self.parallel.parallelize(self.model)
         dims = self.model.dims
         positions = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > positions:
@@ -108,28 +125,51 @@ class LLM:
                 f"{positions}"
             )
         self.max_model_len = max_model_len or positions
-        self.builder = MLAMetadataBuilder(
-            dims, block_size=block_size, device=device, workspace_rows=workspace_rows,
-            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+        sizes = dict(workspace_rows=workspace_rows, max_model_len=self.max_model_len,
+                     max_num_seqs=max_num_seqs)
+        self.builder = (
+            MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
+            if self.parallel is None
+            else self.parallel.metadata_builder(dims, block_size, **sizes)
         )
         cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
         if num_kv_blocks is None:
             num_kv_blocks = self._auto_num_blocks(block_size, cache_dtype, gpu_memory_utilization)
+        if self.parallel is not None:
+            num_kv_blocks = self.parallel.agree_num_blocks(num_kv_blocks)
         self.caches = [
             LatentKVCache(num_kv_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
                           kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device)
             for _ in range(self.config.num_hidden_layers)
         ]
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        # Under decode context parallelism a block id stands for block_size rows on each
+        # rank of the group: the scheduler sees the group's combined capacity.
+        self.block_manager = BlockManager(
+            num_kv_blocks, block_size * decode_context_parallel_size, enable_prefix_caching
+        )
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
-        self.runner = ModelRunner(self.model, self.caches, self.block_manager, self.builder)
+        parts = (self.model, self.caches, self.block_manager, self.builder)
+        self.runner = ModelRunner(*parts) if self.parallel is None else self.parallel.runner(*parts)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._next_id = 0
         self.stats = EngineStats()
+        if self.parallel is not None:
+            self.parallel.ready()
+
+    def close(self) -> None:
+        """Stop the tensor parallel workers and leave the process group (no-op otherwise)."""
+        if self.parallel is not None:
+            self.parallel.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _auto_num_blocks(
         self, block_size: int, cache_dtype: torch.dtype, utilization: float
@@ -176,6 +216,18 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order."""
+        if self.parallel is not None:
+            return self.parallel.generate(
+                self._generate, self.runner, prompts, sampling_params, use_tqdm
+            )
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: SequenceABC[str] | SequenceABC[list[int]] | str,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:

@@ -60,10 +60,32 @@ class ModelRunner:
             spec,
         )
 
-    @torch.inference_mode()
+    @staticmethod
+    def sample_rows(batch: ScheduledBatch) -> list[int]:
+        """Token rows whose logits are sampled: the last row of each entry that needs one."""
+        last_rows = []
+        end = 0
+        for num_new, needs_sample in zip(batch.num_new_tokens, batch.needs_sample, strict=True):
+            end += num_new
+            if needs_sample:
+                last_rows.append(end - 1)
+        return last_rows
+
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward one step; returns logits [S, vocab] float32 for the S sequences to sample."""
         token_ids, positions, spec = self.prepare(batch)
+        return self.execute(token_ids, positions, spec, self.sample_rows(batch))
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spec: BatchSpec,
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """Forward prepared host inputs (token_ids [T], positions [T], spec); returns the
+        logits [S, vocab] float32 of the S token rows in sample_rows."""
         meta = self.builder.build(spec)
         hidden = self.model(
             token_ids.to(self.device, non_blocking=True),
@@ -71,11 +93,5 @@ class ModelRunner:
             self.caches,
             meta,
         )
-        last_rows = []
-        end = 0
-        for num_new, needs_sample in zip(batch.num_new_tokens, batch.needs_sample, strict=True):
-            end += num_new
-            if needs_sample:
-                last_rows.append(end - 1)
-        index = torch.tensor(last_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index)).float()

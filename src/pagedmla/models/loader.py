@@ -183,6 +183,30 @@ def _load_weights(
     model.process_weights_after_loading()
 
 
+def _config_dict(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """config.json of "tiny" or of a checkpoint directory, as a plain dict."""
+    if str(model) == "tiny":
+        return tiny_config()
+    directory = Path(model)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"model must be 'tiny' or a checkpoint directory; {str(model)!r} is neither"
+        )
+    return _read_config(directory)
+
+
+def _parse_config(model: str | os.PathLike[str], config_dict: dict[str, Any]) -> DeepseekConfig:
+    try:
+        return DeepseekConfig.from_dict(config_dict)
+    except ValueError as err:
+        raise ValueError(f"{model}: {err}") from err
+
+
+def load_config(model: str | os.PathLike[str]) -> DeepseekConfig:
+    """The config of "tiny" or of a checkpoint directory, without reading any weight."""
+    return _parse_config(model, _config_dict(model))
+
+
 def load_model(
     model: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
@@ -195,20 +219,10 @@ def load_model(
     tokenizer.json; then only token-id prompts can be used).
     """
     is_tiny = str(model) == "tiny"
-    if is_tiny:
-        config_dict = tiny_config()
-    else:
-        directory = Path(model)
-        if not directory.is_dir():
-            raise FileNotFoundError(
-                f"model must be 'tiny' or a checkpoint directory; {str(model)!r} is neither"
-            )
-        config_dict = _read_config(directory)
+    directory = Path(model)
+    config_dict = _config_dict(model)
     # Architecture and files are checked before the model's memory is allocated.
-    try:
-        config = DeepseekConfig.from_dict(config_dict)
-    except ValueError as err:
-        raise ValueError(f"{model}: {err}") from err
+    config = _parse_config(model, config_dict)
     if is_tiny:
         weights: Iterable[tuple[str, torch.Tensor]] = tiny_weights(config_dict)
         tokenizer: TextTokenizer | None = ByteTokenizer()

@@ -1,0 +1,239 @@
+"""ParallelRuntime: what a tensor / decode context parallel LLM adds to the engine.
+
+The LLM builds the same engine on every rank and asks the runtime for the parallel
+pieces: the sharded model, the per-rank metadata builder, a runner that (on the
+driver) broadcasts each step before running it, and the agreed cache size. Rank 0
+schedules and samples; the other ranks only run the model on the steps they receive.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedmla.cache import LatentKVCache
+from pagedmla.dims import MLADims
+from pagedmla.distributed.channel import Kind, StepChannel, StepInputs
+from pagedmla.distributed.dcp_layout import DCPLayout
+from pagedmla.distributed.dcp_metadata import DCPMetadataBuilder
+from pagedmla.distributed.launch import (
+    Workers,
+    init_from_environment,
+    launched_externally,
+    rank_device,
+)
+from pagedmla.distributed.state import ParallelState
+from pagedmla.distributed.tensor_parallel import (
+    TensorParallelLM,
+    check_heads_divisible,
+    parallelize,
+)
+from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.scheduler import ScheduledBatch
+from pagedmla.metadata import MLAMetadataBuilder
+from pagedmla.models.deepseek import DeepseekForCausalLM
+from pagedmla.models.loader import load_config
+
+_DEATH_WAIT_S = 2.0
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each step's inputs, then runs its own share."""
+
+    def __init__(self, runtime: ParallelRuntime, *args: Any) -> None:
+        super().__init__(*args)
+        self.runtime = runtime
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        token_ids, positions, spec = self.prepare(batch)
+        step = StepInputs(token_ids, positions, spec, self.sample_rows(batch))
+        with self.runtime.watching_workers():
+            self.runtime.channel.send(Kind.STEP, step)
+            return self.execute(step.token_ids, step.positions, step.spec, step.sample_rows)
+
+
+class ParallelRuntime:
+    """This rank's ParallelState and its link to the other ranks.
+
+    `start` joins (torchrun) or creates (spawned workers) the process group; the
+    workers, when this process spawned them, are stopped by `close`, when the runtime
+    is garbage collected, or at interpreter exit.
+    """
+
+    def __init__(
+        self, state: ParallelState, workers: Workers | None, interleave: int, owns_group: bool
+    ) -> None:
+        self.state = state
+        self.workers = workers
+        self.interleave = interleave
+        self.channel = StepChannel(state)
+        self._finalizer = weakref.finalize(self, _shutdown, workers, self.channel, owns_group)
+
+    @classmethod
+    def start(cls, options: dict[str, Any], device: torch.device) -> ParallelRuntime:
+        """Validate the sizes against the model, then connect every rank.
+
+        options: the LLM's constructor arguments (spawned workers construct the same).
+        """
+        tp = options["tensor_parallel_size"]
+        dcp = options["decode_context_parallel_size"]
+        check_heads_divisible(load_config(options["model"]), tp)
+        if dcp > 1:
+            DCPLayout(dcp, 0, options["cp_kv_cache_interleave_size"], options["block_size"])
+        workers = None
+        owns_group = not dist.is_initialized()
+        if launched_externally():
+            device = rank_device(device, int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+            init_from_environment(device)
+        else:
+            device = rank_device(device, 0)
+            workers = Workers(options, tp, device)
+        try:
+            state = ParallelState.connect(tp, dcp, device)
+        except BaseException:
+            if workers is not None:
+                workers.stop()
+            raise
+        return cls(state, workers, options["cp_kv_cache_interleave_size"], owns_group)
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def is_driver(self) -> bool:
+        return self.state.is_driver
+
+    def parallelize(self, model: DeepseekForCausalLM) -> TensorParallelLM:
+        sharded = parallelize(model, self.state)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # return the full weights' memory before sizing the cache
+        return sharded
+
+    def metadata_builder(self, dims: MLADims, block_size: int, **kwargs: Any) -> MLAMetadataBuilder:
+        """The builder for this rank (kwargs as MLAMetadataBuilder's)."""
+        if self.state.dcp_size == 1:
+            return MLAMetadataBuilder(dims, block_size=block_size, device=self.device, **kwargs)
+        layout = DCPLayout(self.state.dcp_size, self.state.dcp_rank, self.interleave, block_size)
+        return DCPMetadataBuilder(dims, layout, self.state, device=self.device, **kwargs)
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """Cache blocks every rank can hold (the block table is shared)."""
+        return self.state.min_over_ranks(num_blocks)
+
+    def runner(
+        self,
+        model: torch.nn.Module,
+        caches: list[LatentKVCache],
+        block_manager: BlockManager,
+        builder: MLAMetadataBuilder,
+    ) -> ModelRunner:
+        if self.is_driver:
+            return DriverRunner(self, model, caches, block_manager, builder)
+        return ModelRunner(model, caches, block_manager, builder)
+
+    def ready(self) -> None:
+        """Wait until every rank has built its engine; then steps can flow."""
+        with self.watching_workers():
+            self.state.barrier()
+        if self.workers is not None:
+            self.workers.serving = True
+
+    def watching_workers(self) -> _WorkerWatch:
+        return _WorkerWatch(self)
+
+    def serve(self, runner: ModelRunner) -> tuple[Kind, Any]:
+        """Run the driver's steps until it ends a generate() (torchrun ranks only; returns
+        END and the driver's outputs) or shuts down (returns SHUTDOWN, None)."""
+        while True:
+            kind, step = self.channel.receive()
+            if kind == Kind.STEP:
+                assert step is not None
+                runner.execute(step.token_ids, step.positions, step.spec, step.sample_rows)
+            elif kind == Kind.END:
+                return kind, self.channel.receive_object()
+            else:
+                return kind, None
+
+    def generate(self, generate: Callable[..., Any], runner: ModelRunner, *args: Any) -> Any:
+        """generate(*args) on the driver. Under torchrun every rank calls this with the
+        same arguments: the others serve the driver's steps and return its outputs."""
+        if not self.is_driver:
+            kind, outputs = self.serve(runner)
+            if outputs is None:
+                reason = "failed" if kind == Kind.END else "was shut down"
+                raise RuntimeError(f"generate() {reason} on the driver (rank 0)")
+            return outputs
+        outputs = None
+        try:
+            outputs = generate(*args)
+        finally:
+            if self.workers is None:  # torchrun ranks wait for the outputs (None: failed)
+                self.channel.send(Kind.END)
+                self.channel.send_object(outputs)
+        return outputs
+
+    @property
+    def is_open(self) -> bool:
+        return self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop spawned workers and leave the process group (idempotent)."""
+        self._finalizer()
+
+
+class _WorkerWatch:
+    """Guards the driver's work with spawned workers: a dead worker becomes a RuntimeError
+    saying which one and why; any failure stops the others, since ranks that disagree
+    on where they are in a step cannot be resumed."""
+
+    def __init__(self, runtime: ParallelRuntime) -> None:
+        self.runtime = runtime
+
+    def __enter__(self) -> None:
+        if not self.runtime.is_open:
+            raise RuntimeError("the parallel workers were stopped (close() or a failed step)")
+        self._check(None)
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        workers = self.runtime.workers
+        if error is not None and workers is not None:
+            workers.serving = False  # maybe mid-collective: no shutdown message, kill them
+            self._check(error)
+            self.runtime.close()
+
+    def _check(self, cause: BaseException | None) -> None:
+        workers = self.runtime.workers
+        if workers is None:
+            return
+        if cause is not None:
+            # A peer's death reaches us as a broken connection, maybe before it is reaped.
+            mp.connection.wait([proc.sentinel for proc in workers.procs], _DEATH_WAIT_S)
+        try:
+            workers.check()
+        except RuntimeError as dead:
+            self.runtime.close()
+            raise dead from cause
+
+
+def _shutdown(workers: Workers | None, channel: StepChannel, owns_group: bool) -> None:
+    """Stop serving: tell live workers to leave, then reap them; leave the group if this
+    runtime created it."""
+    if workers is not None:
+        graceful = workers.serving and all(proc.is_alive() for proc in workers.procs)
+        if graceful:
+            try:
+                channel.send(Kind.SHUTDOWN)
+            except RuntimeError:
+                graceful = False
+        workers.stop(graceful)
+    if owns_group and dist.is_initialized():
+        dist.destroy_process_group()

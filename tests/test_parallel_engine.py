@@ -1,0 +1,208 @@
+"""Tensor / decode context parallel LLMs (gloo CPU processes) against one process.
+
+Every configuration runs the built-in tiny model in float32 over the same prompts as
+a single-process LLM with the same options: greedy tokens must be identical and each
+sampled token's logprob within 1e-4 (observed ~2e-6: only the order of float32 sums
+differs, in all-reduces and log-sum-exp merges). The options force the hard paths:
+prompts of 1-3 tokens (shorter than the DCP group: empty shards), a 16-token step
+budget (chunked prefill, mixed decode/prefill steps) and a 16-row workspace (each
+context split in several chunks), then prompts sharing a 40-token prefix (prefix
+caching). One LLM per configuration serves all of its checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from pagedmla import LLM, SamplingParams
+from pagedmla.cli import main
+from tests.dist_helpers import free_port
+
+LOGPROB_TOL = 1e-4
+OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=48,
+               max_num_batched_tokens=16, workspace_rows=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(0, 259, (n,), generator=gen).tolist()
+
+    mixed = [draw(n) for n in (1, 3, 17, 40, 2, 64, 9)]
+    prefix = draw(40)
+    shared = [prefix + draw(n) for n in (1, 7, 20)]
+    return mixed, shared
+
+
+def _generate(llm: LLM, prompt_sets: tuple[list[list[int]], ...]) -> list:
+    return [llm.generate(prompts, GREEDY, use_tqdm=False) for prompts in prompt_sets]
+
+
+def _same(reference: list, outputs: list) -> None:
+    for ref_set, out_set in zip(reference, outputs, strict=True):
+        for ref, out in zip(ref_set, out_set, strict=True):
+            expected, got = ref.outputs[0], out.outputs[0]
+            assert got.token_ids == expected.token_ids
+            for token, want, have in zip(got.token_ids, expected.logprobs, got.logprobs,
+                                         strict=True):
+                assert abs(have[token] - want[token]) <= LOGPROB_TOL
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def prompt_sets():
+    return _prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(prompt_sets):
+    """Single-process outputs, both prompt sets through one LLM, by (kv-cache dtype, block
+    size). An fp8 run is compared at the block size the parallel block manager sees:
+    prefix caching then reuses the same tokens, which an fp8 cache returns quantized
+    while recomputed ones are not."""
+    results = {}
+
+    def outputs(kv_cache_dtype: str, block_size: int) -> list:
+        key = (kv_cache_dtype, block_size)
+        if key not in results:
+            options = {**OPTIONS, "block_size": block_size}
+            llm = LLM("tiny", kv_cache_dtype=kv_cache_dtype, **options)
+            results[key] = _generate(llm, prompt_sets)
+        return results[key]
+
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("tp", "dcp", "interleave", "kv_cache_dtype", "num_kv_blocks"),
+    [(2, 1, 1, "auto", 48), (2, 2, 1, "auto", 48), (4, 2, 2, "auto", 48),
+     (4, 4, 1, "auto", 5), (2, 2, 2, "fp8", 48)],
+)
+def test_parallel_matches_single_process(tp, dcp, interleave, kv_cache_dtype, num_kv_blocks,
+                                         prompt_sets, reference) -> None:
+    tight = num_kv_blocks < 16  # 4 usable blocks of 8 x 4 tokens: requests must wait
+    with LLM("tiny", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+             cp_kv_cache_interleave_size=interleave, kv_cache_dtype=kv_cache_dtype,
+             **{**OPTIONS, "num_kv_blocks": num_kv_blocks}) as llm:
+        pids = llm.parallel.workers.pids
+        assert len(pids) == tp - 1
+        mixed = llm.generate(prompt_sets[0], GREEDY, use_tqdm=False)
+        assert llm.stats.steps > 10  # a small budget: prompts span several steps
+        assert (llm.stats.preemptions > 0) == tight
+        fed = sum(len(p) for p in prompt_sets[1])
+        shared = llm.generate(prompt_sets[1], GREEDY, use_tqdm=False)
+        if not tight:
+            assert llm.stats.prefill_tokens < fed  # the shared prefix came from the cache
+        # The block manager sees dcp times the tokens per block: the group's capacity.
+        assert llm.block_manager.block_size == OPTIONS["block_size"] * dcp
+    block_size = OPTIONS["block_size"] * (dcp if kv_cache_dtype == "fp8" else 1)
+    _same(reference(kv_cache_dtype, block_size), [mixed, shared])
+    assert all(_gone(pid) for pid in pids), "a worker outlived close()"
+
+
+def test_dead_worker_is_a_clear_error_and_leaves_no_process() -> None:
+    llm = LLM("tiny", tensor_parallel_size=2, **OPTIONS)
+    pid = llm.parallel.workers.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {pid}\) was killed by signal"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert _gone(pid)
+    with pytest.raises(RuntimeError, match="workers were stopped"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.close()  # already stopped: a no-op
+
+
+def test_workers_exit_when_the_driver_dies(tmp_path) -> None:
+    script = textwrap.dedent("""
+        import os, signal, torch
+        from pagedmla import LLM
+        if __name__ == "__main__":
+            llm = LLM("tiny", tensor_parallel_size=2, dtype=torch.float32, device="cpu",
+                      num_kv_blocks=8)
+            print(*llm.parallel.workers.pids, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    path = tmp_path / "driver.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 1, done.stderr
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) or _is_zombie(p) for p in pids):
+        assert time.monotonic() < deadline, "a worker outlived its driver"
+        time.sleep(0.1)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, reference) -> None:
+    script = textwrap.dedent(f"""
+        import json, os, torch
+        from pagedmla import LLM, SamplingParams
+        llm = LLM("tiny", tensor_parallel_size=2, decode_context_parallel_size=2,
+                  dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=48,
+                  max_num_batched_tokens=16, workspace_rows=16)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        outs = llm.generate({prompt_sets[0]!r}, params, use_tqdm=False)
+        print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+        llm.close()
+    """)
+    path = tmp_path / "spmd.py"
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    expected = str([o.outputs[0].token_ids for o in reference("auto", 8)[0]]).replace(" ", "")
+    assert len(lines) == 2 and all(line.replace(" ", "") == expected for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tensor_parallel_size=2, decode_context_parallel_size=3), "must divide"),
+        (dict(tensor_parallel_size=3), "num_attention_heads \\(4\\) must be divisible"),
+        (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
+              cp_kv_cache_interleave_size=3), "must divide block_size"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
+    ],
+)
+def test_bad_sizes_fail_before_any_process_starts(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", **{**OPTIONS, **kwargs})
+
+
+def test_cli_generate_with_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--device", "cpu", "--max-tokens", "3", "--block-size", "8",
+                 "--num-kv-blocks", "16", "--tensor-parallel-size", "2",
+                 "--decode-context-parallel-size", "2", "--cp-kv-cache-interleave-size", "2",
+                 "--prompt", "hello"]) == 0
+    assert "completion:" in capsys.readouterr().out
+    assert not torch.distributed.is_initialized()  # the LLM was dropped: workers stopped
