@@ -25,6 +25,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never replay CUDA graphs for decode steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks to shard the model over (processes started here, or torchrun)")
@@ -48,6 +50,7 @@ def _make_llm(args: argparse.Namespace):
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         backend=args.backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,

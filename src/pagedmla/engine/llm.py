@@ -13,6 +13,7 @@ from pagedmla.cache import LatentKVCache, resolve_cache_dtype
 from pagedmla.device import resolve_device
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.sampler import sample
 from pagedmla.engine.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ from pagedmla.engine.scheduler import Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_model
+from pagedmla.ops import get_backend
 
 # Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
 _CPU_CACHE_TOKENS = 64 * 1024
@@ -94,6 +96,7 @@ class LLM:
         backend: str = "auto",
         max_model_len: int | None = None,
         cp_kv_cache_interleave_size: int = 1,
+        enforce_eager: bool = False,
     ) -> None:
         # The arguments as given: spawned tensor parallel ranks construct the same LLM.
         options = {name: value for name, value in locals().items() if name != "self"}
@@ -154,11 +157,30 @@ class LLM:
         )
         parts = (self.model, self.caches, self.block_manager, self.builder)
         self.runner = ModelRunner(*parts) if self.parallel is None else self.parallel.runner(*parts)
+        if self._use_graphs(enforce_eager, backend):
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.caches, capture_sizes(max_num_seqs),
+                max_blocks_per_seq=-(-self.max_model_len // block_size),
+                max_model_len=self.max_model_len,
+            )
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._next_id = 0
         self.stats = EngineStats()
         if self.parallel is not None:
             self.parallel.ready()
+
+    def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
+        """Decode steps replay CUDA graphs on one GPU when the kernels allow capture.
+
+        Under tensor or decode context parallelism steps stay eager: the DCP metadata is
+        per rank and its collectives are not part of the captured decode step.
+        """
+        return (
+            not enforce_eager
+            and self.device.type == "cuda"
+            and self.parallel is None
+            and get_backend(backend, self.device).graph_safe
+        )
 
     def close(self) -> None:
         """Stop the tensor parallel workers and leave the process group (no-op otherwise)."""

@@ -6,6 +6,7 @@ import torch
 
 from pagedmla.cache import LatentKVCache
 from pagedmla.engine.block_manager import BlockManager
+from pagedmla.engine.cuda_graph import DecodeGraphs
 from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
 
@@ -29,6 +30,8 @@ class ModelRunner:
         self.block_manager = block_manager
         self.builder = builder
         self.device = builder.device
+        # Set by the engine when decode steps replay CUDA graphs (None: always eager).
+        self.graphs: DecodeGraphs | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
         """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec."""
@@ -86,6 +89,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Forward prepared host inputs (token_ids [T], positions [T], spec); returns the
         logits [S, vocab] float32 of the S token rows in sample_rows."""
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(spec.query_lens) <= graphs.max_batch
+            and all(q == 1 for q in spec.query_lens)
+        ):
+            return graphs.run(token_ids, positions, spec, sample_rows)
         meta = self.builder.build(spec)
         hidden = self.model(
             token_ids.to(self.device, non_blocking=True),

@@ -171,7 +171,12 @@ def _quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return quantized.view(grid[0] * br, grid[1] * bc)[:rows, :cols].contiguous(), scale_inv
 
 
-def write_tiny_checkpoint(directory: str | Path, fp8: bool = False, seed: int = 0) -> Path:
+def write_tiny_checkpoint(
+    directory: str | Path,
+    fp8: bool = False,
+    seed: int = 0,
+    config: Mapping[str, Any] | None = None,
+) -> Path:
     """Save the tiny model as a Hugging Face style checkpoint directory; return its path.
 
     Writes config.json, two safetensors shards with model.safetensors.index.json, and
@@ -179,11 +184,12 @@ def write_tiny_checkpoint(directory: str | Path, fp8: bool = False, seed: int = 
     float8_e4m3fn with `weight_scale_inv` over 128x128 blocks (several tiny shapes are
     not multiples of 128, so partial edge blocks occur), config.json gets DeepSeek's
     `quantization_config`, and every scale goes into the second shard so that a
-    loader must find companions across shards.
+    loader must find companions across shards. `config` replaces the tiny config (random
+    weights of any DeepSeek shape, e.g. for benchmarks).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = tiny_config()
+    config = dict(config) if config is not None else tiny_config()
     if fp8:
         config["quantization_config"] = {
             "quant_method": "fp8",

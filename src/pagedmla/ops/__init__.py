@@ -25,6 +25,9 @@ class Backend:
     mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge_attn_states: Callable[..., None]
+    # Decode ops neither synchronise with the host nor allocate by device values, so
+    # a decode step can be captured in a CUDA graph.
+    graph_safe: bool = False
 
 
 REFERENCE = Backend(

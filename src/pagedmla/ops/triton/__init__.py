@@ -19,6 +19,7 @@ TRITON_BACKEND = Backend(
     mla_decode=mla_decode,
     varlen_attention=varlen_attention,
     merge_attn_states=merge_attn_states,
+    graph_safe=True,
 )
 
 __all__ = [
