@@ -43,7 +43,7 @@ def test_engine_graphs_match_eager() -> None:
     runs = []
     for eager in (True, False):
         llm = LLM("tiny", dtype=torch.float32, device="cuda", block_size=16,
-                  max_num_seqs=16, enforce_eager=eager)
+                  max_num_seqs=16, enforce_eager=eager, num_kv_blocks=512)
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.runner.graphs is None) == eager
     for eager_out, graph_out in zip(*runs, strict=True):

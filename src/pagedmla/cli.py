@@ -87,9 +87,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.kernels:
-        from pagedmla.bench import run_kernel_benchmarks
+        from pagedmla.kernel_bench import main as kernel_bench
 
-        return run_kernel_benchmarks(args.out)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        return kernel_bench(["--out", f"{args.out}/bench_kernels.json", "--plots", args.out])
     from pagedmla import SamplingParams
 
     rng = random.Random(args.seed)

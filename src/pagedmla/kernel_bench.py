@@ -1,0 +1,662 @@
+"""Triton backend kernels on one GPU: correctness sweep, then speed against ceilings.
+
+    pagedmla bench --kernels --out results/                               # check + full run
+    python3 benchmarks/bench_kernels.py --out bench_kernels.json         # the same
+    python3 benchmarks/bench_kernels.py --quick --out bench_kernels.json # check + fewer shapes
+    python3 benchmarks/bench_kernels.py --check-only                     # correctness only
+    python3 benchmarks/bench_kernels.py --sweep-configs [decode|prefill] # time config variants
+    python3 benchmarks/bench_kernels.py --plots-from bench_kernels.json --plots results/
+
+Every run first checks each kernel against the PyTorch reference on fresh random
+inputs (NaN-poisoned outputs and unused cache slots, a CUDA graph captured with short
+contexts and replayed with long ones) and stops on the first failure. Then it measures,
+in the same process: the card's HBM read bandwidth (a large sum) and copy bandwidth,
+the bf16 matmul rate (8192^3, random data), and our kernels against baselines (the
+plain PyTorch reference decode; torch.compile'd merge; PyTorch SDPA for dense causal
+prefill). Times are medians of triton.testing.do_bench, which wipes a 256 MB buffer
+(several times the 60 MB L2) before every call. Byte and FLOP counts are the fewest
+each kernel must move / compute; they are written next to each result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+
+import torch
+import triton
+import triton.testing
+
+from pagedmla.ops import reference as ref
+from pagedmla.ops.triton import (
+    gather_cache,
+    merge_attn_states,
+    mla_decode,
+    varlen_attention,
+    write_cache,
+)
+from pagedmla.ops.triton.decode import DECODE_CONFIGS, pick_config
+
+L, R = 512, 64
+FP8 = torch.float8_e4m3fn
+DEV = "cuda"
+
+
+def bench(fn: Callable[[], object], rep_ms: int = 100) -> float:
+    """Median time of fn in microseconds (L2 wiped before every call)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+# --- ceilings ---------------------------------------------------------------------------------
+
+
+def ceilings() -> dict[str, float]:
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device=DEV).normal_()  # 4 GiB
+    dst = torch.empty_like(src)
+    read_us = bench(lambda: src.sum(dtype=torch.float32))
+    copy_us = bench(lambda: dst.copy_(src))
+    src = dst = None
+    torch.cuda.empty_cache()
+    n = 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    mm_us = bench(lambda: a @ b)
+    return {
+        "hbm_read_tbps": (1 << 31) * 2 / read_us / 1e6,
+        "hbm_copy_tbps": (1 << 31) * 2 * 2 / copy_us / 1e6,  # bytes read + written
+        "bf16_matmul_tflops": 2 * n**3 / mm_us / 1e6,
+    }
+
+
+# --- decode inputs ------------------------------------------------------------------------------
+
+
+def decode_inputs(batch: int, heads: int, context: int, q_len: int = 1, block_size: int = 64,
+                  cache: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A paged cache with every request at `context` positions (new tokens included),
+    its pages scattered by a random permutation; args for mla_decode."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    per_req = -(-context // block_size)
+    blocks = batch * per_req + 1
+    data = torch.empty(blocks, block_size, L + R, device=DEV, dtype=torch.bfloat16)
+    data.normal_(generator=gen)
+    data = data.to(cache)
+    table = (torch.randperm(blocks - 1, device=DEV, generator=gen) + 1).int()
+    table = table.view(batch, per_req)
+    q = torch.randn(batch * q_len, heads, L + R, device=DEV, dtype=torch.bfloat16,
+                    generator=gen)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=DEV)
+    scale = torch.tensor(0.5 if cache == FP8 else 1.0, device=DEV)
+    return (q, data, scale, table, seq_lens, qsl, q_len, context, L, (L + R) ** -0.5)
+
+
+def decode_cost(batch: int, heads: int, context: int, q_len: int, elt: int) -> tuple[int, int]:
+    """(bytes, FLOPs): cache rows read once + q read + out written; QK^T over L + R and
+    PV over L for every head and query token."""
+    rows = batch * context
+    tokens = batch * q_len
+    nbytes = rows * (L + R) * elt + tokens * heads * (L + R) * 2 + tokens * heads * L * 2
+    flops = 2 * heads * q_len * rows * (L + R) + 2 * heads * q_len * rows * L
+    return nbytes, flops
+
+
+# --- correctness sweep --------------------------------------------------------------------------
+
+
+def _poison() -> None:
+    for size in (1 << 12, 1 << 18, 1 << 24, 1 << 27):
+        torch.full((size,), math.nan, device=DEV)
+
+
+def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.double(), want.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return (torch.linalg.vector_norm(out - want) / torch.linalg.vector_norm(want)).item()
+
+
+def _expect(name: str, value: float, bound: float, log: list[str]) -> None:
+    log.append(f"{name}: {value:.3g} (bound {bound:g})")
+    if not value < bound:
+        raise AssertionError(f"{name}: {value:.3g} >= {bound:g}")
+
+
+def _scatter_cache(seq_lens: list[int], block_size: int, cache: torch.dtype, gen):
+    """NaN-filled cache, block 0 reserved, permuted pages, padding entries far out."""
+    used = [-(-s // block_size) for s in seq_lens]
+    blocks = 1 + sum(used) + 2
+    data = torch.full((blocks, block_size, L + R), math.nan, device=DEV)
+    order = (torch.randperm(blocks - 1, device=DEV, generator=gen) + 1).int()
+    table = torch.full((len(seq_lens), max(used) + 1), 10**6, dtype=torch.int32, device=DEV)
+    taken = 0
+    for b, (n, s) in enumerate(zip(used, seq_lens)):
+        table[b, :n] = order[taken:taken + n]
+        taken += n
+        pos = torch.arange(s, device=DEV)
+        slots = table[b, pos // block_size].long() * block_size + pos % block_size
+        data.view(-1, L + R)[slots] = torch.randn(s, L + R, device=DEV, generator=gen)
+    return data.to(cache), table
+
+
+def check_all() -> list[str]:
+    """Every kernel vs the reference; raises on the first failure. Returns a log."""
+    log: list[str] = []
+    gen = torch.Generator(device=DEV).manual_seed(1234)
+    bf16 = torch.bfloat16
+    # Decode: pages 1/16/64, heads 1..128, lengths 1, 2, page + 1, odd; q_len 1..16; fp8.
+    for block_size in (1, 16, 64):
+        for heads in (1, 16, 64, 128):
+            for cache in (bf16, FP8):
+                for q_lens in ([1] * 5, [1, 4, 16, 2, 3]):
+                    seq_lens = [max(q, s) for q, s in
+                                zip(q_lens, [1, 2, block_size + 1, 777, 3001])]
+                    data, table = _scatter_cache(seq_lens, block_size, cache, gen)
+                    q = torch.randn(sum(q_lens), heads, L + R, device=DEV, generator=gen)
+                    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                       dtype=torch.int32, device=DEV)
+                    args = (q.to(bf16), data, torch.tensor(0.37, device=DEV), table,
+                            torch.tensor(seq_lens, dtype=torch.int32, device=DEV), qsl,
+                            max(q_lens), max(seq_lens), L, (L + R) ** -0.5)
+                    _poison()
+                    out, lse = mla_decode(*args)
+                    want, want_lse = ref.mla_decode(*args)
+                    name = f"decode page={block_size} N={heads} {cache} q_lens={q_lens}"
+                    _expect(f"{name} out", _rel(out, want), 1e-2, log)
+                    _expect(f"{name} lse", (lse - want_lse).abs().max().item(), 2e-3, log)
+    # Long context, B = 1: many splits and the combine.
+    for heads, context in ((16, 131072), (128, 65536)):
+        args = decode_inputs(1, heads, context, seed=7)
+        out, lse = mla_decode(*args)
+        want, want_lse = ref.mla_decode(*args)
+        _expect(f"decode B=1 N={heads} ctx={context} out", _rel(out, want), 1e-2, log)
+        _expect(f"decode B=1 N={heads} ctx={context} lse",
+                (lse - want_lse).abs().max().item(), 2e-3, log)
+    log.extend(check_graph_replay())
+
+    # Merge: empties (+-inf), NaN behind them, strided lse views, in place.
+    T, N, D = 4096, 128, 128
+    po = torch.randn(T, N, D, device=DEV, dtype=bf16)
+    so = torch.randn(T, N, D, device=DEV, dtype=bf16)
+    pl = torch.randn(N, 2 * T, device=DEV)[:, ::2] * 3
+    sl = torch.randn(N, T, device=DEV) * 3
+    pl[:, :7] = -math.inf
+    po[:7] = math.nan
+    sl[:, 3:11] = math.inf
+    so[3:11] = math.nan
+    want, want_lse = torch.empty_like(po), torch.empty(N, T, device=DEV)
+    ref.merge_attn_states(po, pl, so, sl, want, want_lse)
+    merge_attn_states(po, pl, so, sl, po, pl)  # in place over the prefix
+    _expect("merge out", _rel(po, want), 1e-3, log)  # bf16 rounding: ~1e-5
+    both = want_lse.isfinite()
+    _expect("merge lse", (pl[both] - want_lse[both]).abs().max().item(), 1e-5, log)
+    _expect("merge empties", float((pl.isneginf() != want_lse.isneginf()).sum()), 0.5, log)
+
+    # Cache write (bit-exact, fp8 quantization) and gather (dequantization).
+    for cache in (bf16, FP8):
+        for block_size in (1, 16, 64):
+            tokens, blocks = 3000, 3000 // block_size + 8
+            data = torch.full((blocks, block_size, L + R), math.nan, device=DEV).to(cache)
+            want = data.clone()
+            kv_c = torch.randn(tokens, L, device=DEV, dtype=bf16) * 100
+            k_pe = torch.randn(tokens, R, device=DEV, dtype=bf16)
+            slots = torch.randperm(blocks * block_size, device=DEV)[:tokens]
+            slots[::17] = -1
+            s = torch.tensor(0.37, device=DEV)
+            write_cache(data, kv_c, k_pe, slots, s)
+            ref.write_cache(want, kv_c, k_pe, slots, s)
+            bits = data.view(torch.uint8) != want.view(torch.uint8)
+            _expect(f"write_cache {cache} page={block_size} differing bytes",
+                    float(bits.sum()), 0.5, log)
+            seq_lens = [block_size * 3 + 5, 1, 1000]
+            data, table = _scatter_cache(seq_lens, block_size, cache, gen)
+            starts = torch.tensor([2, 0, 100], dtype=torch.int32, device=DEV)
+            counts = [seq_lens[0] - 2, 1, 900]
+            cu = torch.tensor([0, counts[0], counts[0] + 1, sum(counts)], dtype=torch.int32,
+                              device=DEV)
+            t2s = torch.repeat_interleave(torch.arange(3, device=DEV),
+                                          torch.tensor(counts, device=DEV)).int()
+            out = torch.full((sum(counts), L + R), math.nan, device=DEV, dtype=bf16)
+            want = torch.empty_like(out)
+            gather_cache(data, s, table, starts, cu, t2s, out)
+            ref.gather_cache(data, s, table, starts, cu, t2s, want)
+            _expect(f"gather_cache {cache} page={block_size} differing",
+                    float((out.view(torch.int16) != want.view(torch.int16)).sum()), 0.5, log)
+
+    # Varlen prefill: lengths 0, 1, odd; 192/128, 256/256, 128/128; causal and not.
+    for qk, dv in ((192, 128), (256, 256), (128, 128)):
+        for heads in (16, 128):
+            for causal in (True, False):
+                q_lens = [0, 1, 300, 1029]
+                k_lens = q_lens if causal else [5, 0, 2000, 1029]
+                q = torch.randn(sum(q_lens), heads, qk, device=DEV, dtype=bf16)
+                kv = torch.randn(sum(k_lens), heads, qk + dv, device=DEV, dtype=bf16)
+                cq = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                  dtype=torch.int32, device=DEV)
+                ck = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()],
+                                  dtype=torch.int32, device=DEV)
+                args = (q, kv[..., :qk], kv[..., qk:], cq, ck, max(q_lens), max(k_lens),
+                        qk**-0.5, causal)
+                _poison()
+                out, lse = varlen_attention(*args)
+                want, want_lse = ref.varlen_attention(*args)
+                name = f"varlen {qk}/{dv} N={heads} causal={causal}"
+                _expect(f"{name} out", _rel(out, want), 1e-2, log)
+                fin = want_lse.isfinite()
+                _expect(f"{name} lse", (lse[fin] - want_lse[fin]).abs().max().item(), 2e-3, log)
+                _expect(f"{name} empties", float((lse.isneginf() != ~fin).sum()), 0.5, log)
+    return log
+
+
+def check_graph_replay() -> list[str]:
+    """Capture decode in a CUDA graph with short contexts, replay with 100k-token ones:
+    the split plan comes from max_seq_len (host) and the lengths are read on the device."""
+    log: list[str] = []
+    batch, heads, long_ctx = 4, 16, 100_000
+    args = list(decode_inputs(batch, heads, long_ctx, seed=3))
+    seq_lens = args[4]
+    seq_lens.fill_(37)
+    mla_decode(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mla_decode(*args)
+    for value in (37, 5000, long_ctx):
+        seq_lens.fill_(value)
+        graph.replay()
+        want, want_lse = ref.mla_decode(*args)
+        _expect(f"graph replay ctx={value} out", _rel(out, want), 1e-2, log)
+        _expect(f"graph replay ctx={value} lse", (lse - want_lse).abs().max().item(), 2e-3,
+                log)
+    return log
+
+
+# --- benchmarks ----------------------------------------------------------------------------
+
+
+def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
+    shapes = [  # (batch, heads, context, q_len, regime)
+        (64, 16, 2048, 1, "memory"), (64, 16, 8192, 1, "memory"),
+        (128, 16, 8192, 1, "memory"), (256, 16, 4096, 1, "memory"),
+        (64, 16, 32768, 1, "memory"), (256, 16, 32768, 1, "memory"),
+        (1, 16, 131072, 1, "memory"),
+        (1, 128, 65536, 1, "compute"), (1, 128, 131072, 1, "compute"),
+        (64, 128, 4096, 1, "compute"), (128, 128, 8192, 1, "compute"),
+        (64, 16, 8192, 4, "memory"),
+    ]
+    if quick:
+        shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10)]
+    reference_for = {(64, 16, 2048, 1), (1, 128, 65536, 1), (64, 128, 4096, 1)}
+    rows = []
+    for batch, heads, context, q_len, regime in shapes:
+        results = {}
+        for cache in (torch.bfloat16, FP8):
+            args = decode_inputs(batch, heads, context, q_len, cache=cache)
+            us = bench(lambda args=args: mla_decode(*args))
+            nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size())
+            results[cache] = (us, nbytes, flops)
+            ref_us = None
+            if cache == torch.bfloat16 and (batch, heads, context, q_len) in reference_for:
+                ref_us = bench(lambda args=args: ref.mla_decode(*args), rep_ms=200)
+            name = "bf16" if cache == torch.bfloat16 else "fp8"
+            row = {
+                "kernel": "mla_decode", "cache": name, "regime": regime, "B": batch,
+                "N": heads, "context": context, "q_len": q_len, "us": us, "bytes": nbytes,
+                "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
+                "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
+                "baseline_us": ref_us,
+            }
+            row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
+            if cache == FP8:
+                row["fp8_speedup_vs_bf16"] = results[torch.bfloat16][0] / us
+            rows.append(row)
+            del args
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_merge(quick: bool, ceil: dict[str, float]) -> list[dict]:
+    T, N, D = 16384, 128, 128
+    po = torch.randn(T, N, D, device=DEV, dtype=torch.bfloat16)
+    so = torch.randn(T, N, D, device=DEV, dtype=torch.bfloat16)
+    pl = torch.randn(N, T, device=DEV)
+    sl = torch.randn(N, T, device=DEV)
+    out = torch.empty_like(po)
+    out_lse = torch.empty_like(pl)
+    nbytes = 3 * T * N * D * 2 + 3 * N * T * 4
+
+    def eager(po, pl, so, sl, out, out_lse):
+        ref.merge_attn_states(po, pl, so, sl, out, out_lse)
+
+    compiled = torch.compile(eager)
+    compiled(po, pl, so, sl, out, out_lse)
+    us = bench(lambda: merge_attn_states(po, pl, so, sl, out, out_lse))
+    base_us = bench(lambda: compiled(po, pl, so, sl, out, out_lse))
+    return [{
+        "kernel": "merge_attn_states", "T": T, "N": N, "D": D, "us": us, "bytes": nbytes,
+        "tbps": nbytes / us / 1e6, "pct_ceiling": 100 * nbytes / us / 1e6 / ceil[
+            "hbm_copy_tbps"], "baseline": "torch.compile(reference)", "baseline_us": base_us,
+    }]
+
+
+def _sdpa_baseline(q, k, v, causal: bool) -> tuple[float | None, str]:
+    """Fastest of PyTorch's cuDNN and flash SDPA on [1, N, S, D]; v padded to the qk
+    width when a backend needs equal widths (then the padded columns are extra work
+    the baseline does, noted in the label)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+    best, label = None, "unavailable"
+    for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"),
+                          (SDPBackend.FLASH_ATTENTION, "flash")):
+        for pad in (False, True):
+            vv = vt
+            if pad:
+                if vt.shape[-1] == qt.shape[-1]:
+                    continue
+                vv = torch.nn.functional.pad(vt, (0, qt.shape[-1] - vt.shape[-1]))
+            try:
+                with sdpa_kernel([backend]):
+                    torch.nn.functional.scaled_dot_product_attention(qt, kt, vv,
+                                                                     is_causal=causal)
+                    torch.cuda.synchronize()
+                    us = bench(lambda vv=vv: torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vv, is_causal=causal), rep_ms=200)
+            except RuntimeError:
+                continue
+            if best is None or us < best:
+                best, label = us, f"SDPA {name}" + (" (v padded to qk width)" if pad else "")
+            break
+    return best, label
+
+
+def bench_prefill(quick: bool) -> list[dict]:
+    shapes = [(16, 4096), (16, 16384), (128, 4096), (128, 8192), (128, 16384)]
+    if quick:
+        shapes = [(16, 8192), (128, 8192)]
+    rows = []
+    for heads, seq in shapes:
+        for qk, dv in ((192, 128),):
+            q = torch.randn(seq, heads, qk, device=DEV, dtype=torch.bfloat16)
+            kv = torch.randn(seq, heads, qk + dv, device=DEV, dtype=torch.bfloat16)
+            k, v = kv[..., :qk], kv[..., qk:]
+            cu = torch.tensor([0, seq], dtype=torch.int32, device=DEV)
+            us = bench(lambda q=q, k=k, v=v, cu=cu, seq=seq, qk=qk: varlen_attention(
+                q, k, v, cu, cu, seq, seq, qk**-0.5, True), rep_ms=200)
+            flops = 2 * heads * (seq * (seq + 1) // 2) * (qk + dv)  # causal half
+            base_us, label = _sdpa_baseline(q, k.contiguous(), v.contiguous(), True)
+            rows.append({
+                "kernel": "varlen_attention", "N": heads, "tokens": seq, "qk": qk, "v": dv,
+                "causal": True, "us": us, "flops": flops, "tflops": flops / us / 1e6,
+                "baseline": label, "baseline_us": base_us,
+            })
+            del q, kv, k, v
+    return rows
+
+
+def _last_compiled(jit_fn) -> str:
+    """Registers, spills and shared memory of the kernel `jit_fn` compiled last, and
+    whether its PTX uses wgmma (best effort: Triton internals differ across versions)."""
+    try:
+        kernel = list(next(iter(jit_fn.device_caches.values()))[0].values())[-1]
+        wgmma = "wgmma" in kernel.asm.get("ptx", "")
+        return (f"regs={kernel.n_regs} spills={kernel.n_spills} "
+                f"smem={kernel.metadata.shared} wgmma={wgmma}")
+    except Exception as error:  # diagnostics only
+        return f"stats unavailable ({type(error).__name__})"
+
+
+def sweep_decode_configs() -> list[dict]:
+    """Time stage-1 variants per regime on representative shapes; prints the best."""
+    from pagedmla.ops.triton.decode import _decode_partial_kernel
+
+    rows = []
+    cases = {  # regime: (shapes, (block_n, warps, stages, swap_ab) variants)
+        "rows16": ([(128, 16, 8192), (1, 16, 131072)],
+                   [(32, 4, 2, False), (64, 4, 3, True), (64, 8, 3, True)]),
+        "rows16-fp8": ([(128, 16, 8192), (1, 16, 131072)],
+                       [(32, 4, 2, False), (64, 4, 2, False), (64, 8, 2, False),
+                        (64, 4, 3, True), (64, 8, 3, True), (128, 8, 2, True)]),
+        "rows32": ([(128, 32, 8192)], [(32, 4, 2, False), (64, 4, 3, True),
+                                       (64, 8, 3, True)]),
+        "rows64": ([(64, 128, 4096), (1, 128, 65536)],
+                   [(64, 8, 3, False), (32, 8, 3, True)]),
+        "rows64-fp8": ([(64, 128, 4096), (1, 128, 65536)],
+                       [(64, 8, 3, False), (32, 8, 3, False), (64, 8, 2, False),
+                        (128, 8, 2, False)]),
+    }
+    for key, (shapes, variants) in cases.items():
+        base = DECODE_CONFIGS[key]
+        for cache in ((FP8,) if key.endswith("fp8") else (torch.bfloat16,)):
+            for batch, heads, context in shapes:
+                args = decode_inputs(batch, heads, context, cache=cache)
+                nbytes, flops = decode_cost(batch, heads, context, 1, args[1].element_size())
+                found = []
+                first = None
+                for block_n, warps, stages, swap in variants:
+                    cfg = replace(base, block_n=block_n, num_warps=warps,
+                                  num_stages=stages, swap_ab=swap)
+                    try:
+                        # Every variant must agree with the first (a cheap sanity check).
+                        got = mla_decode(*args, config=cfg)[0]
+                        first = got if first is None else first
+                        if _rel(got, first) > 1e-2:
+                            print(f"  {key} {cfg}: WRONG (rel {_rel(got, first):.3g})")
+                            continue
+                        us = bench(lambda cfg=cfg, args=args: mla_decode(*args, config=cfg),
+                                   rep_ms=50)
+                    except Exception as error:  # out of resources etc.
+                        print(f"  {key} n={block_n} w={warps} s={stages} swap={swap}: "
+                              f"{type(error).__name__}", flush=True)
+                        continue
+                    row = {"regime": key, "cache": str(cache), "B": batch, "N": heads,
+                           "context": context, "block_n": block_n, "warps": warps,
+                           "stages": stages, "swap_ab": swap, "us": us,
+                           "tbps": nbytes / us / 1e6,
+                           "tflops": flops / us / 1e6,
+                           "stats": _last_compiled(_decode_partial_kernel)}
+                    found.append(row)
+                    print(f"  {key} {cache} B={batch} N={heads} ctx={context} n={block_n} "
+                          f"w={warps} s={stages} swap={swap}: {us:.1f} us {row['tbps']:.2f} TB/s "
+                          f"{row['tflops']:.0f} TFLOP/s {row['stats']}", flush=True)
+                rows += found
+                del args
+    return rows
+
+
+def sweep_prefill_configs() -> list[dict]:
+    from pagedmla.ops.triton.prefill import PrefillConfig, _varlen_attention_kernel
+
+    rows = []
+    for qk, dv in ((192, 128), (256, 256), (128, 128)):
+        heads, seq = 16, 8192
+        q = torch.randn(seq, heads, qk, device=DEV, dtype=torch.bfloat16)
+        kv = torch.randn(seq, heads, qk + dv, device=DEV, dtype=torch.bfloat16)
+        cu = torch.tensor([0, seq], dtype=torch.int32, device=DEV)
+        flops = 2 * heads * (seq * (seq + 1) // 2) * (qk + dv)
+        for bm, bn, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                              (128, 128, 8, 3)):
+            cfg = PrefillConfig(bm, bn, w, st)
+            try:
+                us = bench(lambda cfg=cfg, q=q, kv=kv, cu=cu, qk=qk, seq=seq: varlen_attention(
+                    q, kv[..., :qk], kv[..., qk:], cu, cu, seq, seq, 0.07, True,
+                    config=cfg), rep_ms=100)
+            except Exception as error:
+                print(f"  prefill {qk}/{dv} {cfg}: {type(error).__name__}", flush=True)
+                continue
+            row = {"N": heads, "S": seq, "qk": qk, "v": dv, "config": asdict(cfg), "us": us,
+                   "tflops": flops / us / 1e6, "stats": _last_compiled(_varlen_attention_kernel)}
+            rows.append(row)
+            print(f"  prefill {qk}/{dv} N={heads} S={seq} {cfg}: {us:.0f} us "
+                  f"{row['tflops']:.0f} TFLOP/s {row['stats']}", flush=True)
+    return rows
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
+    lines = [
+        f"ceilings: HBM read {ceil['hbm_read_tbps']:.2f} TB/s, copy "
+        f"{ceil['hbm_copy_tbps']:.2f} TB/s, bf16 matmul {ceil['bf16_matmul_tflops']:.0f} "
+        "TFLOP/s",
+        "",
+        "% ceiling: decode vs the HBM read rate, merge vs the copy rate (it reads and writes)",
+        "",
+        "| kernel | shape | µs | TB/s | % ceiling | TFLOP/s | baseline | baseline µs | speedup |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        if r["kernel"] == "mla_decode":
+            shape = (f"{r['cache']} B={r['B']} N={r['N']} ctx={r['context']} "
+                     f"q_len={r['q_len']}")
+            if "fp8_speedup_vs_bf16" in r:
+                shape += f" (x{r['fp8_speedup_vs_bf16']:.2f} vs bf16)"
+        elif r["kernel"] == "merge_attn_states":
+            shape = f"T={r['T']} N={r['N']} D={r['D']} bf16"
+        else:
+            shape = f"N={r['N']} S={r['tokens']} qk={r['qk']} v={r['v']} causal"
+        tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
+        pct = f"{r['pct_ceiling']:.0f}" if "pct_ceiling" in r else ""
+        tflops = f"{r['tflops']:.0f}" if "tflops" in r else ""
+        base = r.get("baseline") or ""
+        base_us = f"{r['baseline_us']:.1f}" if r.get("baseline_us") else ""
+        speed = f"{r['baseline_us'] / r['us']:.2f}x" if r.get("baseline_us") else ""
+        lines.append(f"| {r['kernel']} | {shape} | {r['us']:.1f} | {tbps} | {pct} | {tflops} "
+                     f"| {base} | {base_us} | {speed} |")
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, directory: str) -> list[str]:
+    """PNG plots of a report: decode bandwidth against the HBM ceiling, and TFLOP/s of
+    decode and prefill against the bf16 matmul ceiling. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ceil = report["ceilings"]
+    rows = report["results"]
+    decode = [r for r in rows if r["kernel"] == "mla_decode"]
+    label = [f"{r['cache']} B={r['B']} N={r['N']}\nctx={r['context']} q={r['q_len']}"
+             for r in decode]
+    paths = []
+    for metric, ceiling, name, unit in (
+        ("tbps", ceil["hbm_read_tbps"], "decode_bandwidth.png", "TB/s"),
+        ("tflops", ceil["bf16_matmul_tflops"], "decode_tflops.png", "TFLOP/s"),
+    ):
+        fig, ax = plt.subplots(figsize=(12, 4.5))
+        ax.bar(range(len(decode)), [r[metric] for r in decode],
+               color=["tab:blue" if r["cache"] == "bf16" else "tab:orange" for r in decode])
+        ax.axhline(ceiling, color="black", linestyle="--", label=f"measured ceiling {ceiling:.0f}"
+                   if unit == "TFLOP/s" else f"measured HBM read {ceiling:.2f} {unit}")
+        ax.set_xticks(range(len(decode)), label, rotation=60, fontsize=7)
+        ax.set_ylabel(unit)
+        ax.set_title(f"mla_decode on {report['gpu']} (blue bf16 cache, orange fp8)")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(f"{directory}/{name}")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    prefill = [r for r in rows if r["kernel"] == "varlen_attention"]
+    if prefill:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        x = range(len(prefill))
+        ax.bar([i - 0.2 for i in x], [r["tflops"] for r in prefill], width=0.4, label="ours")
+        ax.bar([i + 0.2 for i in x], [r["tflops"] * r["us"] / r["baseline_us"] for r in prefill],
+               width=0.4, label="PyTorch SDPA (cuDNN)")
+        ax.axhline(ceil["bf16_matmul_tflops"], color="black", linestyle="--",
+                   label="bf16 matmul ceiling")
+        ax.set_xticks(list(x), [f"N={r['N']} S={r['tokens']}" for r in prefill])
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title("causal prefill, qk 192 / v 128")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(f"{directory}/prefill_tflops.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write results as JSON here")
+    parser.add_argument("--plots", default=None, help="write PNG plots into this directory")
+    parser.add_argument("--plots-from", default=None,
+                        help="only draw the plots of an earlier JSON report")
+    parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes")
+    parser.add_argument("--skip-check", action="store_true", help="no correctness sweep")
+    parser.add_argument("--check-only", action="store_true", help="correctness sweep only")
+    parser.add_argument("--sweep-configs", nargs="?", const="all", default=None,
+                        choices=["decode", "prefill", "all"],
+                        help="time config variants (decode, prefill or all) instead of "
+                        "the benchmarks")
+    args = parser.parse_args(argv)
+    if args.plots_from:
+        with open(args.plots_from) as f:
+            print("\n".join(write_plots(json.load(f), args.plots or ".")))
+        return 0
+    if not torch.cuda.is_available():
+        print("the kernel benchmarks need a CUDA GPU", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    start = time.time()
+    report: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join(sys.argv),
+    }
+    try:
+        report["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True,
+                                          check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        report["commit"] = "unknown"
+    if not args.skip_check:
+        log = check_all()
+        print("\n".join(log), flush=True)
+        print(f"correctness sweep passed: {len(log)} checks, {time.time() - start:.0f} s",
+              flush=True)
+        report["checks"] = len(log)
+        if args.check_only:
+            return 0
+    if args.sweep_configs:
+        report["sweep"] = []
+        if args.sweep_configs in ("decode", "all"):
+            report["sweep"] += sweep_decode_configs()
+        if args.sweep_configs in ("prefill", "all"):
+            report["sweep"] += sweep_prefill_configs()
+    else:
+        ceil = ceilings()
+        report["ceilings"] = ceil
+        print(f"ceilings {ceil}", flush=True)
+        rows = bench_decode(args.quick, ceil)
+        rows += bench_merge(args.quick, ceil)
+        rows += bench_prefill(args.quick)
+        report["results"] = rows
+        report["configs"] = {k: asdict(v) for k, v in DECODE_CONFIGS.items()}
+        report["decode_regimes"] = {n: pick_config(n, torch.bfloat16).block_h
+                                    for n in (16, 32, 128)}
+    report["seconds"] = time.time() - start
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if "results" in report:
+        if args.plots:
+            write_plots(report, args.plots)
+        print()
+        print(markdown(report["ceilings"], report["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
