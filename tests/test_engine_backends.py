@@ -2,7 +2,9 @@
 
 On a CPU-only machine the Triton kernels run in Triton's interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1), on a GPU compiled. float32 model: tokens identical and
-logprobs within 1e-4 (observed ~1e-6: the kernels sum in another order).
+logprobs within 1e-4 (observed ~1e-6: the kernels sum in another order); with an fp8
+cache within 1e-3 (observed ~1e-4: the Triton decode applies the scale to scores and
+outputs instead of to each dequantized element, so products round differently).
 """
 
 from __future__ import annotations
@@ -33,4 +35,5 @@ def test_triton_engine_matches_reference(kv_cache_dtype: str) -> None:
         for ref_step, our_step in zip(ref.outputs[0].logprobs, ours.outputs[0].logprobs,
                                       strict=True):
             assert ref_step.keys() == our_step.keys()
-            assert max(abs(ref_step[t] - our_step[t]) for t in ref_step) < 1e-4
+            tolerance = 1e-4 if kv_cache_dtype == "auto" else 1e-3
+            assert max(abs(ref_step[t] - our_step[t]) for t in ref_step) < tolerance

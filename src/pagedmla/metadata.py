@@ -19,6 +19,7 @@ import torch
 from pagedmla.device import resolve_device
 from pagedmla.dims import MLADims
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
+from pagedmla.routing import PathCostModel
 
 if TYPE_CHECKING:
     from pagedmla.distributed.dcp_attention import DCPContextGather, DCPDecode
@@ -223,7 +224,10 @@ class MLAMetadataBuilder:
     workspace_rows (W) bounds the context rows gathered at once (None: the default rule
     of `determine_workspace_rows` from max_model_len and max_num_seqs); it must hold at
     least one page. decode_threshold: requests with query_len <= this take the decode
-    path (> 1 enables multi-token decode, bottom-right causal).
+    path (> 1 enables multi-token decode, bottom-right causal). router: a cost model
+    (`PathCostModel`) that also sends longer requests to the absorbed MQA path when it
+    predicts that to be cheaper (short chunked-prefill pieces over long contexts).
+    Requests taking the MQA path must come first in a batch.
     """
 
     def __init__(
@@ -235,6 +239,7 @@ class MLAMetadataBuilder:
         decode_threshold: int = 1,
         max_model_len: int = 8192,
         max_num_seqs: int = 256,
+        router: PathCostModel | None = None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be MLADims, got {type(dims).__name__}")
@@ -257,7 +262,16 @@ class MLAMetadataBuilder:
         self.table_block_size = block_size
         self.device = resolve_device(device)
         self.decode_threshold = decode_threshold
+        self.router = router
         self.workspace = Workspace(workspace_rows, self.device)
+
+    def uses_mqa(self, query_len: int, context_len: int) -> bool:
+        """Whether a request with these lengths takes the absorbed MQA (decode) path."""
+        if query_len <= self.decode_threshold:
+            return True
+        return self.router is not None and self.router.prefers_mqa(
+            self.dims, query_len, context_len
+        )
 
     @property
     def workspace_rows(self) -> int:
@@ -272,15 +286,14 @@ class MLAMetadataBuilder:
         self._validate(query_lens, seq_lens, block_table, slot_mapping)
         num_tokens = sum(query_lens)
 
-        num_decodes = 0
-        while num_decodes < num_reqs and query_lens[num_decodes] <= self.decode_threshold:
-            num_decodes += 1
+        mqa = [self.uses_mqa(q, s - q) for q, s in zip(query_lens, seq_lens)]
+        num_decodes = mqa.index(False) if False in mqa else num_reqs
         for b in range(num_decodes, num_reqs):
-            if query_lens[b] <= self.decode_threshold:
+            if mqa[b]:
                 raise ValueError(
-                    f"requests must be ordered decodes first: request {b} has query_len "
-                    f"{query_lens[b]} <= decode_threshold {self.decode_threshold} but follows a "
-                    f"prefill (query_lens {query_lens})"
+                    f"requests must be ordered decodes first: request {b} (query_len "
+                    f"{query_lens[b]}, seq_len {seq_lens[b]}) takes the decode path (threshold "
+                    f"{self.decode_threshold}) but follows a prefill (query_lens {query_lens})"
                 )
         num_decode_tokens = sum(query_lens[:num_decodes])
         query_start_loc = list(itertools.accumulate(query_lens, initial=0))

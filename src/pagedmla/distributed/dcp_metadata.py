@@ -28,6 +28,7 @@ from pagedmla.metadata import (
     _int_list,
 )
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
+from pagedmla.routing import PathCostModel
 
 
 class DCPMetadataBuilder(MLAMetadataBuilder):
@@ -51,6 +52,7 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
         decode_threshold: int = 1,
         max_model_len: int = 8192,
         max_num_seqs: int = 256,
+        router: PathCostModel | None = None,
     ) -> None:
         if layout.size != state.dcp_size or layout.rank != state.dcp_rank:
             raise ValueError(
@@ -65,7 +67,7 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
         workspace_rows = -(-max(workspace_rows, align) // align) * align
         super().__init__(
             dims, layout.block_size, device, workspace_rows, decode_threshold, max_model_len,
-            max_num_seqs,
+            max_num_seqs, router,
         )
         self.layout = layout
         self.state = state
@@ -91,11 +93,13 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
         slots = self.layout.local_slots(
             _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
         )
-        if self.decode_threshold == 1 or table.shape[0] != len(query_lens):
+        if (self.decode_threshold == 1 and self.router is None) or table.shape[0] != len(
+            query_lens
+        ):
             return BatchSpec(query_lens, seq_lens, table, slots)  # (the base reports a bad table)
         rows, new_query_lens, new_seq_lens = [], [], []
         for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
-            split = 1 < q <= self.decode_threshold
+            split = q > 1 and self.uses_mqa(q, s - q)
             rows += [b] * q if split else [b]
             new_query_lens += [1] * q if split else [q]
             new_seq_lens += range(s - q + 1, s + 1) if split else [s]

@@ -22,6 +22,7 @@ from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_model
 from pagedmla.ops import get_backend
+from pagedmla.routing import PathCostModel
 
 # Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
 _CPU_CACHE_TOKENS = 64 * 1024
@@ -75,6 +76,11 @@ class LLM:
     over that many ranks, dealt round-robin in runs of cp_kv_cache_interleave_size
     tokens: a block then holds block_size tokens per rank. close() (or a `with` block)
     stops the workers; they also stop when this process exits.
+
+    On one GPU with graph-safe kernels (Triton), decode-only steps replay CUDA graphs
+    captured at start-up for a ladder of batch sizes; enforce_eager turns that off.
+    route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
+    model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class LLM:
         max_model_len: int | None = None,
         cp_kv_cache_interleave_size: int = 1,
         enforce_eager: bool = False,
+        route_by_cost: bool = True,
     ) -> None:
         # The arguments as given: spawned tensor parallel ranks construct the same LLM.
         options = {name: value for name, value in locals().items() if name != "self"}
@@ -129,7 +136,8 @@ class LLM:
             )
         self.max_model_len = max_model_len or positions
         sizes = dict(workspace_rows=workspace_rows, max_model_len=self.max_model_len,
-                     max_num_seqs=max_num_seqs)
+                     max_num_seqs=max_num_seqs,
+                     router=PathCostModel() if route_by_cost else None)
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
             if self.parallel is None
@@ -154,6 +162,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            uses_mqa=self.builder.uses_mqa,
         )
         parts = (self.model, self.caches, self.block_manager, self.builder)
         self.runner = ModelRunner(*parts) if self.parallel is None else self.parallel.runner(*parts)

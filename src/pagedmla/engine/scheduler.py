@@ -12,6 +12,7 @@ blocks are freed, its tokens kept, and it goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedmla.engine.block_manager import BlockManager
@@ -25,8 +26,9 @@ class ScheduledBatch:
     For entry ``i`` with ``c = seqs[i].num_computed_tokens`` and ``n = num_new_tokens[i]``
     the runner feeds ``seqs[i].token_ids[c : c + n]`` at positions ``c .. c + n - 1``
     (query_len ``n``, seq_len ``c + n``), writing their latents to the slots
-    ``BlockManager.slot(seq, position)``. Every entry with ``n == 1`` comes before every
-    entry with ``n > 1``, the decode-first order the attention metadata expects.
+    ``BlockManager.slot(seq, position)``. Every entry that takes the absorbed MQA path
+    (``uses_mqa(n, c)``; by default ``n == 1``) comes before every other entry, the
+    decode-first order the attention metadata expects.
     ``needs_sample[i]`` is true when the chunk reaches the sequence's last known token
     (``c + n == num_tokens``): only then do the logits of the chunk's last token predict
     a new token. A prefill chunk that stops inside the known tokens samples nothing.
@@ -80,7 +82,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
+        uses_mqa: Callable[[int, int], bool] | None = None,
     ) -> None:
+        """uses_mqa(query_len, context_len): whether an entry takes the decode path, so
+        that such entries are ordered first (the metadata builder's rule)."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -89,6 +94,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
+        self.uses_mqa = uses_mqa or (lambda query_len, context_len: query_len == 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the most recent is last
         self.num_preemptions = 0
@@ -145,10 +151,11 @@ class Scheduler:
                 f"scheduler made no progress: {len(self.waiting)} waiting, "
                 f"{len(self.running)} running, {self.block_manager.num_free_blocks} free blocks"
             )
-        # Stable partition: the attention metadata treats every query_len-1 row as a decode
-        # and wants decodes first, so a one-token prefill chunk moves up with them.
-        entries = [e for e in plan.entries.values() if e[1] == 1]
-        entries += [e for e in plan.entries.values() if e[1] > 1]
+        # Stable partition, decode path first: a one-token prefill chunk or a short one
+        # routed to the MQA path moves up with the decodes.
+        mqa = [self.uses_mqa(n, seq.num_computed_tokens) for seq, n in plan.entries.values()]
+        entries = [e for e, m in zip(plan.entries.values(), mqa) if m]
+        entries += [e for e, m in zip(plan.entries.values(), mqa) if not m]
         return ScheduledBatch(
             seqs=[seq for seq, _ in entries],
             num_new_tokens=[num_new for _, num_new in entries],

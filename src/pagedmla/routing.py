@@ -1,0 +1,84 @@
+"""Choosing the absorbed MQA path or the MHA path for a request, by cost.
+
+A request with q new tokens over S = C + q keys costs, per layer (N heads):
+
+  MQA (absorbed):   2 N q S (2L + R) flops on the latent rows, plus the absorption of
+                    W_UK and W_UV (2 N q L (P + V)); it reads each of the S cache rows
+                    (L + R wide) once per group of `rows_per_program` query rows.
+  MHA (up-project): 2 N S L (P + V) flops to up-project every key and value, plus
+                    attention 2 N q S (P + R + V) (half of the q x q part is masked); it
+                    reads the C cached rows once and writes/reads their up-projection.
+
+The up-projection is paid per key whatever q is, while MQA pays (2L + R) per query and
+key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
+(~170 for DeepSeek shapes at equal efficiency) whatever the context: short chunked
+prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
+the rate the path's kernels reach (measured on an H200, docs/PERFORMANCE.md); the time
+of a term is the larger of its flops over that rate and its bytes over bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedmla.dims import MLADims
+
+
+@dataclass(frozen=True)
+class PathCostModel:
+    """Rates the paths' kernels reach (TFLOP/s, TB/s) and the MQA kernel's row grouping.
+
+    Defaults: the Triton kernels on an H200 (decode ~230 TFLOP/s when compute-bound and
+    ~2 TB/s when memory-bound; prefill attention ~450 TFLOP/s; cuBLAS up-projection
+    ~600 TFLOP/s; HBM ~4 TB/s).
+    """
+
+    mqa_tflops: float = 230.0
+    mqa_tbps: float = 2.0
+    mha_tflops: float = 450.0
+    matmul_tflops: float = 600.0
+    hbm_tbps: float = 4.0
+    rows_per_program: int = 64
+    element_bytes: int = 2
+
+    def mqa_seconds(self, dims: MLADims, query_len: int, context_len: int) -> float:
+        N, L, P, R, V = (dims.num_heads, dims.kv_lora_rank, dims.qk_nope_head_dim,
+                         dims.qk_rope_head_dim, dims.v_head_dim)
+        q, S = query_len, context_len + query_len
+        flops = 2 * N * q * S * (2 * L + R)
+        row_groups = -(-N * q // self.rows_per_program)
+        bytes_read = row_groups * S * (L + R) * self.element_bytes
+        attention = max(flops / (self.mqa_tflops * 1e12), bytes_read / (self.mqa_tbps * 1e12))
+        absorb = 2 * N * q * L * (P + V) / (self.matmul_tflops * 1e12)
+        return attention + absorb
+
+    def mha_seconds(self, dims: MLADims, query_len: int, context_len: int) -> float:
+        N, L, P, R, V = (dims.num_heads, dims.kv_lora_rank, dims.qk_nope_head_dim,
+                         dims.qk_rope_head_dim, dims.v_head_dim)
+        q, C = query_len, context_len
+        S = C + q
+        up_flops = 2 * N * S * L * (P + V)
+        up_bytes = S * N * (P + R + V) * self.element_bytes * 2  # written, then read
+        up = max(up_flops / (self.matmul_tflops * 1e12), up_bytes / (self.hbm_tbps * 1e12))
+        attention_flops = 2 * N * q * (C + q / 2) * (P + R + V)
+        return up + attention_flops / (self.mha_tflops * 1e12)
+
+    def prefers_mqa(self, dims: MLADims, query_len: int, context_len: int) -> bool:
+        """True when the absorbed MQA path is predicted to be the cheaper one.
+
+        Only extends (requests with context) are routed: a fresh prompt stays on the MHA
+        path, which also keeps its own keys unquantized under an fp8 cache.
+        """
+        if context_len == 0:
+            return False
+        return self.mqa_seconds(dims, query_len, context_len) < self.mha_seconds(
+            dims, query_len, context_len
+        )
+
+    def crossover(self, dims: MLADims, context_len: int, limit: int = 4096) -> int:
+        """The largest query length (<= limit) still routed to MQA at this context."""
+        best = 0
+        for q in range(1, limit + 1):
+            if self.prefers_mqa(dims, q, context_len):
+                best = q
+        return best
