@@ -5,16 +5,18 @@ A request with q new tokens over S = C + q keys costs, per layer (N heads):
   MQA (absorbed):   2 N q S (2L + R) flops on the latent rows, plus the absorption of
                     W_UK and W_UV (2 N q L (P + V)); it reads each of the S cache rows
                     (L + R wide) once per group of `rows_per_program` query rows.
-  MHA (up-project): 2 N S L (P + V) flops to up-project every key and value, plus
-                    attention 2 N q S (P + R + V) (half of the q x q part is masked); it
-                    reads the C cached rows once and writes/reads their up-projection.
+  MHA (up-project): 2 N S L (P + V) flops to up-project every key and value, then
+                    separate memory passes over the up-projected keys and values, plus
+                    attention 2 N q S (P + R + V) (half of the q x q part is masked).
 
 The up-projection is paid per key whatever q is, while MQA pays (2L + R) per query and
 key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
 (~170 for DeepSeek shapes at equal efficiency) whatever the context: short chunked
 prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
-the rate the path's kernels reach (measured on an H200, docs/PERFORMANCE.md); the time
-of a term is the larger of its flops over that rate and its bytes over bandwidth.
+the rate the path's kernels reach on an H200. Checked against a measurement there
+(benchmarks/bench_routing.py, docs/PERFORMANCE.md): the model predicts a crossover of
+~100 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with 23 of 24
+measured path choices; the measured crossover lies between 64 and 128 tokens.
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ class PathCostModel:
         q, C = query_len, context_len
         S = C + q
         up_flops = 2 * N * S * L * (P + V)
-        up_bytes = S * N * (P + R + V) * self.element_bytes * 2  # written, then read
-        up = max(up_flops / (self.matmul_tflops * 1e12), up_bytes / (self.hbm_tbps * 1e12))
+        # Memory passes over the up-projected keys and values, each its own kernel: the
+        # matmul writes k_nope and v, k is assembled (read k_nope, write k with k_pe),
+        # attention reads k and v.
+        up_bytes = S * N * (3 * P + 2 * R + 2 * V) * self.element_bytes
+        up = up_flops / (self.matmul_tflops * 1e12) + up_bytes / (self.hbm_tbps * 1e12)
         attention_flops = 2 * N * q * (C + q / 2) * (P + R + V)
         return up + attention_flops / (self.mha_tflops * 1e12)
 
