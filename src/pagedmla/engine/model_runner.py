@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedmla.cache import LatentKVCache
@@ -34,27 +35,34 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
-        """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec."""
+        """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec.
+
+        Runs every step for every sequence, so it sticks to list and numpy operations
+        (a torch tensor per row would cost more than the rest of the step's bookkeeping).
+        """
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
-        manager = self.block_manager
+        block_size = self.block_manager.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
-            slots.extend(manager.slot(seq, p) for p in range(start, start + num_new))
-            seq_lens.append(start + num_new)
+            end = start + num_new
+            token_ids += seq.token_ids[start:end]
+            span = range(start, end)
+            positions += span
+            blocks = seq.block_table
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in span]
+            seq_lens.append(end)
         width = max(len(seq.block_table) for seq in batch.seqs)
         # Block 0 is the null block: padding entries point at it and are never read.
-        table = torch.zeros(len(batch.seqs), width, dtype=torch.int32)
+        table = np.zeros((len(batch.seqs), width), dtype=np.int32)
         for row, seq in enumerate(batch.seqs):
-            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            table[row, : len(seq.block_table)] = seq.block_table
         spec = BatchSpec(
             query_lens=list(batch.num_new_tokens),
             seq_lens=seq_lens,
-            block_table=table,
+            block_table=torch.from_numpy(table),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
         )
         return (
