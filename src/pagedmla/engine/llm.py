@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -15,6 +14,7 @@ from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.sampler import sample
 from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import Scheduler
@@ -26,39 +26,6 @@ from pagedmla.routing import PathCostModel
 
 # Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
 _CPU_CACHE_TOKENS = 64 * 1024
-
-
-@dataclass
-class CompletionOutput:
-    """One generated completion: token ids, decoded text, per-step logprobs."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]]
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    """The result of one prompt."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-
-
-@dataclass
-class EngineStats:
-    """Counters of the last generate() call, for throughput reports."""
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    steps: int = 0
-    preemptions: int = 0
-    first_token_times: dict[int, float] = field(default_factory=dict)
 
 
 class LLM:

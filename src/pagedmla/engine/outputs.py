@@ -1,0 +1,38 @@
+"""What generate() returns, and the counters behind its throughput reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion: token ids, decoded text, per-step logprobs."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+@dataclass
+class EngineStats:
+    """Counters of the last generate() call, for throughput reports."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    first_token_times: dict[int, float] = field(default_factory=dict)
