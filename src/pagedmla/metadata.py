@@ -283,7 +283,7 @@ class MLAMetadataBuilder:
         block_table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
         slot_mapping = _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
         num_reqs = len(query_lens)
-        self._validate(query_lens, seq_lens, block_table, slot_mapping)
+        max_block = self._validate(query_lens, seq_lens, block_table, slot_mapping)
         num_tokens = sum(query_lens)
 
         mqa = [self.uses_mqa(q, s - q) for q, s in zip(query_lens, seq_lens)]
@@ -339,11 +339,6 @@ class MLAMetadataBuilder:
                 query_lens[num_decodes:], seq_lens[num_decodes:], context_lens,
             )
         slots = slot_mapping.to(self.device, non_blocking=True)
-        max_block = 0
-        for b in range(num_reqs):
-            used = -(-seq_lens[b] // self.table_block_size)
-            if used:
-                max_block = max(max_block, int(block_table[b, :used].max()))
         return MLAMetadata(
             num_tokens=num_tokens,
             num_decodes=num_decodes,
@@ -380,7 +375,8 @@ class MLAMetadataBuilder:
         seq_lens: list[int],
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> None:
+    ) -> int:
+        """Raise on bad input; return the largest block id the requests use."""
         num_reqs = len(query_lens)
         if num_reqs == 0:
             raise ValueError("a batch needs at least one request, got query_lens []")
@@ -406,10 +402,15 @@ class MLAMetadataBuilder:
                 f"{self.table_block_size} hold {capacity} tokens, but a request has seq_len "
                 f"{longest}"
             )
-        for b, s in enumerate(seq_lens):
-            used = -(-s // self.table_block_size)
-            if used and int(block_table[b, :used].min()) < 0:
-                raise ValueError(f"block_table[{b}] has a negative block id among its {used} used")
+        # One vectorised pass over the entries each request uses (ceil(seq_len / block)).
+        used = -(-np.asarray(seq_lens) // self.table_block_size)
+        in_use = np.arange(block_table.shape[1]) < used[:, None]
+        used_ids = block_table.numpy()[in_use]
+        if used_ids.size and used_ids.min() < 0:
+            row = int(np.nonzero((block_table.numpy() < 0) & in_use)[0][0])
+            raise ValueError(
+                f"block_table[{row}] has a negative block id among its {used[row]} used"
+            )
         num_tokens = sum(query_lens)
         if slot_mapping.shape[0] != num_tokens:
             raise ValueError(
@@ -420,6 +421,7 @@ class MLAMetadataBuilder:
             raise ValueError(
                 f"slot_mapping holds {int(slot_mapping.min())}; slots are >= 0, or -1 for no write"
             )
+        return int(used_ids.max()) if used_ids.size else 0
 
     @staticmethod
     def _chunk_arrays(
