@@ -82,9 +82,12 @@ cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 # Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
 TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
                            programs_per_sm=1)
-# Both formulations of the stage-1 products (O = P V and O^T = V^T P^T).
+# Both formulations of the stage-1 products (O = P V and O^T = V^T P^T), and both tile
+# loaders: bulk page copies (page sizes that are multiples of 16) and the row gather.
 TINY_CONFIGS = pytest.mark.parametrize(
-    "config", [TINY_DECODE, replace(TINY_DECODE, swap_ab=True)], ids=["qk", "swapped"])
+    "config",
+    [TINY_DECODE, replace(TINY_DECODE, swap_ab=True), replace(TINY_DECODE, paged=False)],
+    ids=["qk", "swapped", "gathered"])
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 2e-3}
 

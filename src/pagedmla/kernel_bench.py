@@ -406,9 +406,10 @@ def _last_compiled(jit_fn) -> str:
     whether its PTX uses wgmma (best effort: Triton internals differ across versions)."""
     try:
         kernel = list(next(iter(jit_fn.device_caches.values()))[0].values())[-1]
-        wgmma = "wgmma" in kernel.asm.get("ptx", "")
+        ptx = kernel.asm.get("ptx", "")
+        wgmma, tma = "wgmma" in ptx, "cp.async.bulk.tensor" in ptx
         return (f"regs={kernel.n_regs} spills={kernel.n_spills} "
-                f"smem={kernel.metadata.shared} wgmma={wgmma}")
+                f"smem={kernel.metadata.shared} wgmma={wgmma} tma={tma}")
     except Exception as error:  # diagnostics only
         return f"stats unavailable ({type(error).__name__})"
 
@@ -418,19 +419,28 @@ def sweep_decode_configs() -> list[dict]:
     from pagedmla.ops.triton.decode import _decode_partial_kernel
 
     rows = []
-    cases = {  # regime: (shapes, (block_n, warps, stages, swap_ab) variants)
-        "rows16": ([(128, 16, 8192), (1, 16, 131072)],
-                   [(32, 4, 2, False), (64, 4, 3, True), (64, 8, 3, True)]),
+    # regime: (shapes, variants as (block_n, warps, stages, swap_ab, paged)); the first
+    # variant is the current config, the one the others must agree with.
+    cases = {
+        "rows16": ([(128, 16, 8192), (1, 16, 131072), (64, 16, 2048)],
+                   [(64, 4, 3, True, False), (64, 4, 2, True, True), (64, 8, 2, True, True),
+                    (32, 4, 4, True, True), (32, 4, 4, False, True), (64, 4, 2, False, True),
+                    (32, 4, 3, False, True)]),
         "rows16-fp8": ([(128, 16, 8192), (1, 16, 131072)],
-                       [(32, 4, 2, False), (64, 4, 2, False), (64, 8, 2, False),
-                        (64, 4, 3, True), (64, 8, 3, True), (128, 8, 2, True)]),
-        "rows32": ([(128, 32, 8192)], [(32, 4, 2, False), (64, 4, 3, True),
-                                       (64, 8, 3, True)]),
-        "rows64": ([(64, 128, 4096), (1, 128, 65536)],
-                   [(64, 8, 3, False), (32, 8, 3, True)]),
+                       [(64, 8, 2, False, False), (64, 4, 2, True, True),
+                        (64, 8, 2, True, True), (64, 4, 3, True, True),
+                        (64, 8, 3, False, True), (64, 8, 2, False, True),
+                        (64, 4, 4, True, True), (32, 4, 4, False, True)]),
+        "rows32": ([(128, 32, 8192)], [(64, 8, 3, True, False), (64, 8, 2, True, True),
+                                       (64, 4, 2, True, True), (32, 8, 4, False, True)]),
+        "rows64": ([(64, 128, 4096), (1, 128, 65536), (128, 128, 8192)],
+                   [(64, 8, 3, False, False), (64, 8, 2, False, True),
+                    (32, 8, 3, False, True), (32, 8, 4, False, True),
+                    (32, 4, 3, False, True), (64, 4, 2, False, True)]),
         "rows64-fp8": ([(64, 128, 4096), (1, 128, 65536)],
-                       [(64, 8, 3, False), (32, 8, 3, False), (64, 8, 2, False),
-                        (128, 8, 2, False)]),
+                       [(64, 8, 2, False, False), (64, 8, 2, False, True),
+                        (64, 8, 3, False, True), (32, 8, 3, False, True),
+                        (64, 8, 4, False, True), (32, 4, 4, False, True)]),
     }
     for key, (shapes, variants) in cases.items():
         base = DECODE_CONFIGS[key]
@@ -440,9 +450,9 @@ def sweep_decode_configs() -> list[dict]:
                 nbytes, flops = decode_cost(batch, heads, context, 1, args[1].element_size())
                 found = []
                 first = None
-                for block_n, warps, stages, swap in variants:
+                for block_n, warps, stages, swap, paged in variants:
                     cfg = replace(base, block_n=block_n, num_warps=warps,
-                                  num_stages=stages, swap_ab=swap)
+                                  num_stages=stages, swap_ab=swap, paged=paged)
                     try:
                         # Every variant must agree with the first (a cheap sanity check).
                         got = mla_decode(*args, config=cfg)[0]
@@ -453,18 +463,20 @@ def sweep_decode_configs() -> list[dict]:
                         us = bench(lambda cfg=cfg, args=args: mla_decode(*args, config=cfg),
                                    rep_ms=50)
                     except Exception as error:  # out of resources etc.
-                        print(f"  {key} n={block_n} w={warps} s={stages} swap={swap}: "
+                        print(f"  {key} n={block_n} w={warps} s={stages} swap={swap} "
+                              f"paged={paged}: "
                               f"{type(error).__name__}", flush=True)
                         continue
                     row = {"regime": key, "cache": str(cache), "B": batch, "N": heads,
                            "context": context, "block_n": block_n, "warps": warps,
-                           "stages": stages, "swap_ab": swap, "us": us,
+                           "stages": stages, "swap_ab": swap, "paged": paged, "us": us,
                            "tbps": nbytes / us / 1e6,
                            "tflops": flops / us / 1e6,
                            "stats": _last_compiled(_decode_partial_kernel)}
                     found.append(row)
                     print(f"  {key} {cache} B={batch} N={heads} ctx={context} n={block_n} "
-                          f"w={warps} s={stages} swap={swap}: {us:.1f} us {row['tbps']:.2f} TB/s "
+                          f"w={warps} s={stages} swap={swap} paged={paged}: {us:.1f} us "
+                          f"{row['tbps']:.2f} TB/s "
                           f"{row['tflops']:.0f} TFLOP/s {row['stats']}", flush=True)
                 rows += found
                 del args

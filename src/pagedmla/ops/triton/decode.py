@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton._utils import (
@@ -54,7 +55,9 @@ class DecodeConfig:
     min_chunk: fewest positions a split covers (bounds the partial-output traffic per
     byte of cache read); programs_per_sm: programs one multiprocessor holds at once, for
     the split planner; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
-    MMA's M dimension), which suits few heads per program (see the kernel).
+    MMA's M dimension), which suits few heads per program (see the kernel); paged: copy
+    whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
+    allow (see `_page_descriptors`), else gather rows through the block table.
     """
 
     block_h: int
@@ -64,6 +67,7 @@ class DecodeConfig:
     min_chunk: int
     programs_per_sm: int
     swap_ab: bool = False
+    paged: bool = True
 
 
 # Keyed by regime; the lead can try variants on the GPU by editing this dict or passing
@@ -159,38 +163,118 @@ def _to_compute(x, compute_dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_cache_tile(
+def _gather_tile(
     data_ptr, table_row, start, hi, stride_db, stride_dp, compute_dtype: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr,
+    HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Cache rows of positions [start, start + BLOCK_N) below hi: latent [BLOCK_N,
-    BLOCK_L] and rope [BLOCK_N, BLOCK_R] parts (fp8 widened to compute_dtype)."""
+    """Cache rows of positions [start, start + BLOCK_N) below hi, found through the block
+    table one position at a time (any page size): the latent halves [BLOCK_N, HALF_L]
+    x 2 and the rope part [BLOCK_N, BLOCK_R], masked rows zero, widened to compute_dtype.
+    """
     pos = start + tl.arange(0, BLOCK_N)
     pos_ok = pos < hi
-    # Slot of every position: page size need not divide BLOCK_N (pages of 1..128).
     block = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
     rows = data_ptr + block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
-    cols = tl.arange(0, BLOCK_L)
+    cols = tl.arange(0, HALF_L)
     # Masked rows are never read: slots past seq_len may hold NaN.
-    kv = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & (cols[None, :] < L),
-                 other=0.0)
-    if IS_FP8:
-        kv = kv.to(compute_dtype)
-    k_pe = kv  # placeholder when R == 0
+    kv_a = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & (cols[None, :] < L),
+                   other=0.0)
+    kv_b = tl.load(rows[:, None] + HALF_L + cols[None, :],
+                   mask=pos_ok[:, None] & (cols[None, :] + HALF_L < L), other=0.0)
+    k_pe = kv_a  # placeholder when R == 0
     if R > 0:
         cols_r = tl.arange(0, BLOCK_R)
         k_pe = tl.load(rows[:, None] + L + cols_r[None, :],
                        mask=pos_ok[:, None] & (cols_r[None, :] < R), other=0.0)
-        if IS_FP8:
-            k_pe = k_pe.to(compute_dtype)
-    return kv, k_pe, pos, pos_ok
+    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+
+
+@triton.jit
+def _paged_tile(
+    latent_desc, rope_desc, table_row, start, hi, compute_dtype: tl.constexpr,
+    L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF_L: tl.constexpr, MASKED: tl.constexpr,
+):
+    """The same tile as _gather_tile when it lies inside one page (PAGE % BLOCK_N == 0):
+    one block-table lookup and three bulk tensor copies (TMA) of contiguous rows.
+    MASKED zeroes rows at or past hi (the last, partial tile of a slice: its slots may
+    hold NaN, and 0 x NaN would reach the output)."""
+    # Descriptor coordinates are int32: the cache holds fewer than 2**31 rows.
+    row = tl.load(table_row + start // PAGE) * PAGE + start % PAGE
+    kv_a = latent_desc.load([row, 0]).to(compute_dtype)
+    kv_b = latent_desc.load([row, HALF_L]).to(compute_dtype)
+    k_pe = kv_a
+    if R > 0:
+        k_pe = rope_desc.load([row, L]).to(compute_dtype)
+    if MASKED:
+        keep = (start + tl.arange(0, BLOCK_N) < hi)[:, None]
+        kv_a = tl.where(keep, kv_a, 0.0)
+        kv_b = tl.where(keep, kv_b, 0.0)
+        if R > 0:
+            k_pe = tl.where(keep, k_pe, 0.0)
+    return kv_a, kv_b, k_pe
+
+
+@triton.jit
+def _attend_tile(
+    acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible, qk_scale,
+    R: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+):
+    """One online-softmax step (base 2) over a tile of cache rows for BLOCK_H query rows.
+
+    Keys are all L + R columns of the tile, values its first L (the two latent halves):
+    each row is read once and used by every query row. Direct form: scores [BLOCK_H,
+    BLOCK_N], acc_* [BLOCK_H, HALF_L], q_* row-major. SWAP_AB: the transposed products
+    S^T = K Q^T [BLOCK_N, BLOCK_H] and O^T += V^T P^T [HALF_L, BLOCK_H] with q_*
+    transposed: positions (and L) become the MMA's M dimension, so with few heads the
+    tile still fills Hopper's 64-row wgmma and the cache tile is the A operand in both
+    products, while heads are the narrow N dimension.
+    """
+    if SWAP_AB:
+        s = tl.dot(kv_a, q_a, input_precision=PRECISION)
+        s = tl.dot(kv_b, q_b, s, input_precision=PRECISION)
+        if R > 0:
+            s = tl.dot(k_pe, q_pe, s, input_precision=PRECISION)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        p = p.to(kv_a.dtype)
+        acc_a = tl.dot(tl.trans(kv_a), p, acc_a * alpha[None, :], input_precision=PRECISION)
+        acc_b = tl.dot(tl.trans(kv_b), p, acc_b * alpha[None, :], input_precision=PRECISION)
+    else:
+        s = tl.dot(q_a, tl.trans(kv_a), input_precision=PRECISION)
+        s = tl.dot(q_b, tl.trans(kv_b), s, input_precision=PRECISION)
+        if R > 0:
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(kv_a.dtype)
+        acc_a = tl.dot(p, kv_a, acc_a * alpha[:, None], input_precision=PRECISION)
+        acc_b = tl.dot(p, kv_b, acc_b * alpha[:, None], input_precision=PRECISION)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
+def _visible(pos, hi, limit, SWAP_AB: tl.constexpr):
+    """Which (position, row) pairs count: inside the slice and causally visible."""
+    if SWAP_AB:
+        return (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
+    return (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
 
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, data_ptr, scale_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    out_ptr, lse_ptr,
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh,
     stride_db, stride_dp,
     stride_bt,
@@ -198,17 +282,19 @@ def _decode_partial_kernel(
     stride_lt, stride_lh, stride_ls,
     num_heads, num_splits, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
     BLOCK_R: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
     IS_FP8: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr, COMPUTE: tl.constexpr,
+    SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
 ):
     """One (head group, split, request): partial out [BLOCK_H, L] and lse over a slice.
 
-    DIRECT (a single split): writes the final out [T, N, L] (q dtype) and lse [N, T]
-    through (stride_ot, stride_oh) and (stride_lt, stride_lh). Otherwise writes float32
-    partials at [token, head, split] (stride_os, stride_ls); a row whose slice holds
-    no visible key gets lse -inf and no output (the combine never reads it).
+    PAGED: tiles come as bulk copies through latent_desc / rope_desc (host tensor
+    descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
+    through data_ptr. DIRECT (a single split): writes the final out [T, N, L] (q dtype)
+    and lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh). Otherwise
+    writes float32 partials at [token, head, split] (stride_os, stride_ls); a row whose
+    slice holds no visible key gets lse -inf and no output (the combine never reads it).
     """
     group = tl.program_id(0)
     split = tl.program_id(1)
@@ -232,16 +318,28 @@ def _decode_partial_kernel(
     hi = tl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
     hi = tl.where(group * BLOCK_H < num_rows, hi, lo)
 
-    cols_l = tl.arange(0, BLOCK_L)
-    q_rows = (q_begin + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    q_nope = tl.load(q_ptr + q_rows[:, None] + cols_l[None, :],
-                     mask=row_ok[:, None] & (cols_l[None, :] < L), other=0.0)
-    q_nope = _to_compute(q_nope, COMPUTE)
+    cols = tl.arange(0, HALF_L)
+    q_rows = q_ptr + (q_begin + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q_a = tl.load(q_rows[:, None] + cols[None, :],
+                  mask=row_ok[:, None] & (cols[None, :] < L), other=0.0)
+    q_b = tl.load(q_rows[:, None] + HALF_L + cols[None, :],
+                  mask=row_ok[:, None] & (cols[None, :] + HALF_L < L), other=0.0)
+    q_a = _to_compute(q_a, COMPUTE)
+    q_b = _to_compute(q_b, COMPUTE)
+    q_pe = q_a  # placeholder when R == 0
     if R > 0:
         cols_r = tl.arange(0, BLOCK_R)
-        q_pe = tl.load(q_ptr + q_rows[:, None] + L + cols_r[None, :],
+        q_pe = tl.load(q_rows[:, None] + L + cols_r[None, :],
                        mask=row_ok[:, None] & (cols_r[None, :] < R), other=0.0)
         q_pe = _to_compute(q_pe, COMPUTE)
+    if SWAP_AB:
+        q_a = tl.trans(q_a)
+        q_b = tl.trans(q_b)
+        q_pe = tl.trans(q_pe)
+        acc_a = tl.zeros([HALF_L, BLOCK_H], tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_H, HALF_L], tl.float32)
+    acc_b = tl.zeros_like(acc_a)
 
     # Scores in base 2: exp2 is the native instruction. An fp8 cache stores x / scale,
     # so the per-tensor scale multiplies the scores here and the output at the end.
@@ -253,75 +351,60 @@ def _decode_partial_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    if SWAP_AB:
-        # Transposed products: S^T = K Q^T [BLOCK_N, BLOCK_H] and O^T += V^T P^T
-        # [BLOCK_L, BLOCK_H]. Positions (and L) become the MMA's M dimension, so with
-        # few heads the tile still fills Hopper's 64-row wgmma, the cache tile is the
-        # A operand read straight from shared memory in both products, and the
-        # registers hold only O^T; heads are the narrow N dimension.
-        q_nope_t = tl.trans(q_nope)
-        if R > 0:
-            q_pe_t = tl.trans(q_pe)
-        acc_t = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            kv, k_pe, pos, pos_ok = _load_cache_tile(
-                data_ptr, table_row, start, hi, stride_db, stride_dp, COMPUTE,
-                L, R, PAGE, BLOCK_N, BLOCK_L, BLOCK_R, IS_FP8)
-            scores = tl.dot(kv, q_nope_t, input_precision=PRECISION)
-            if R > 0:
-                scores += tl.dot(k_pe, q_pe_t, input_precision=PRECISION)
-            visible = pos_ok[:, None] & (pos[:, None] < limit[None, :])
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(scores - m_safe[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p.to(kv.dtype),
-                                                    input_precision=PRECISION)
-            m_i = m_new
-        acc = tl.trans(acc_t)
+    if PAGED:
+        # Whole tiles need no mask (every row is a written slot below hi); only the
+        # last, partial tile is zeroed past hi.
+        full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, full_hi, BLOCK_N):
+            kv_a, kv_b, k_pe = _paged_tile(latent_desc, rope_desc, table_row, start, hi,
+                                           COMPUTE, L, R, PAGE, BLOCK_N, HALF_L, False)
+            visible = _visible(start + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
+            acc_a, acc_b, m_i, l_i = _attend_tile(
+                acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
+                qk_scale, R, PRECISION, SWAP_AB)
+        if full_hi < hi:
+            kv_a, kv_b, k_pe = _paged_tile(latent_desc, rope_desc, table_row, full_hi, hi,
+                                           COMPUTE, L, R, PAGE, BLOCK_N, HALF_L, True)
+            visible = _visible(full_hi + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
+            acc_a, acc_b, m_i, l_i = _attend_tile(
+                acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
+                qk_scale, R, PRECISION, SWAP_AB)
     else:
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            kv, k_pe, pos, pos_ok = _load_cache_tile(
-                data_ptr, table_row, start, hi, stride_db, stride_dp, COMPUTE,
-                L, R, PAGE, BLOCK_N, BLOCK_L, BLOCK_R, IS_FP8)
-            scores = tl.dot(q_nope, tl.trans(kv), input_precision=PRECISION)
-            if R > 0:
-                scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-            visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # Values are the first L columns of the same tile: no second load.
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
-            m_i = m_new
+            kv_a, kv_b, k_pe = _gather_tile(data_ptr, table_row, start, hi, stride_db,
+                                            stride_dp, COMPUTE, L, R, PAGE, BLOCK_N,
+                                            HALF_L, BLOCK_R)
+            visible = _visible(start + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
+            acc_a, acc_b, m_i, l_i = _attend_tile(
+                acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
+                qk_scale, R, PRECISION, SWAP_AB)
+    if SWAP_AB:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
 
     has_key = l_i > 0.0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    norm = 1.0 / tl.where(has_key, l_i, 1.0)
     if IS_FP8:
-        out = out * kv_scale
+        norm = norm * kv_scale
+    out_a = acc_a * norm[:, None]
+    out_b = acc_b * norm[:, None]
     log_l = tl.math.log2(tl.where(has_key, l_i, 1.0))
     lse = tl.where(has_key, (m_i + log_l) * 0.6931471805599453, float("-inf"))  # natural log
 
     token = (q_begin + tok).to(tl.int64)
-    out_rows = token * stride_ot + head.to(tl.int64) * stride_oh
-    lse_at = token * stride_lt + head.to(tl.int64) * stride_lh
+    out_rows = out_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
+    lse_at = lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh
     if DIRECT:
-        tl.store(out_ptr + out_rows[:, None] + cols_l[None, :],
-                 out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols_l[None, :] < L))
-        tl.store(lse_ptr + lse_at, lse, mask=row_ok)
+        store_ok = row_ok[:, None]
     else:
         out_rows += split * stride_os
-        tl.store(out_ptr + out_rows[:, None] + cols_l[None, :], out,
-                 mask=(row_ok & has_key)[:, None] & (cols_l[None, :] < L))
-        tl.store(lse_ptr + lse_at + split * stride_ls, lse, mask=row_ok)
+        lse_at += split * stride_ls
+        store_ok = (row_ok & has_key)[:, None]
+    tl.store(out_rows[:, None] + cols[None, :], out_a.to(out_ptr.dtype.element_ty),
+             mask=store_ok & (cols[None, :] < L))
+    tl.store(out_rows[:, None] + HALF_L + cols[None, :], out_b.to(out_ptr.dtype.element_ty),
+             mask=store_ok & (cols[None, :] + HALF_L < L))
+    tl.store(lse_at, lse, mask=row_ok)
 
 
 @triton.jit
@@ -374,6 +457,27 @@ def _decode_combine_kernel(
                       float("-inf"))
     # Every column block writes the same lse value: a harmless duplicate store.
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+
+
+def _page_descriptors(
+    data: torch.Tensor, block_n: int, half_l: int, block_r: int, L: int
+) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Tensor descriptors for bulk tile copies, or None where the layout rules them out.
+
+    Tiles must stay inside one page (page size a multiple of block_n), the latent must
+    split into two power-of-two halves, and the copy engine needs 16-byte aligned base
+    and row stride. The cache is viewed as [pages x page_size, L + R] rows.
+    """
+    num_blocks, page, width = data.shape
+    row_bytes = data.stride(1) * data.element_size()
+    if (page % block_n or 2 * half_l != L or half_l > 256 or block_r > 256
+            or data.stride(0) != page * data.stride(1) or row_bytes % 16
+            or data.data_ptr() % 16):
+        return None
+    rows = [num_blocks * page, width]
+    strides = [data.stride(1), 1]
+    return (TensorDescriptor(data, rows, strides, [block_n, half_l]),
+            TensorDescriptor(data, rows, strides, [block_n, block_r]))
 
 
 def mla_decode(
@@ -435,8 +539,9 @@ def mla_decode(
     # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
     compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
 
-    block_l = max(16, next_pow2(L))
+    half_l = max(32, next_pow2(L)) // 2
     block_r = max(16, next_pow2(R)) if R > 0 else 16
+    descs = _page_descriptors(data, block_n, half_l, block_r, L) if cfg.paged else None
     if direct:
         part_out, part_lse = out, lse
         o_strides = (out.stride(0), out.stride(1), 0)
@@ -449,20 +554,21 @@ def mla_decode(
         o_strides = part_out.stride()[:3]
         l_strides = part_lse.stride()
     _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
-        q, data, scale, block_table, seq_lens, query_start_loc, part_out, part_lse,
+        q, data, *(descs or (None, None)), scale, block_table, seq_lens, query_start_loc,
+        part_out, part_lse,
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
         *o_strides, *l_strides,
         num_heads, num_splits, float(softmax_scale),
-        L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
+        L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
         BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
-        COMPUTE=compute,
+        PAGED=descs is not None, COMPUTE=compute,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if direct:
         return out, lse
     block_s = next_pow2(num_splits)
-    block_c = max(16, min(block_l, COMBINE_ELEMENTS // block_s))
+    block_c = max(16, min(2 * half_l, COMBINE_ELEMENTS // block_s))
     _decode_combine_kernel[(cdiv(L, block_c), num_heads * max_query_len, num_reqs)](
         part_out, part_lse, seq_lens, query_start_loc, out, lse,
         *part_out.stride()[:3], *part_lse.stride(),
