@@ -1,5 +1,10 @@
 """Host-side cost of an engine decode step, without the model: scheduling, inputs,
-bookkeeping for `--batch` running sequences (the part CUDA graphs cannot hide).
+CUDA-graph input staging and bookkeeping for `--batch` running sequences (the part
+CUDA graphs cannot hide).
+
+The step is the one bench_engine.py times as host work on the graph path: schedule,
+prepare, sample_rows, staging of the graph inputs (here into CPU buffers), turning
+the sampled token ids into the per-sequence map, and postprocess.
 
     python3 benchmarks/bench_host.py --batch 128
 """
@@ -13,6 +18,7 @@ import time
 import torch
 
 from pagedmla import LLM, SamplingParams
+from pagedmla.engine.cuda_graph import GraphInputs
 from pagedmla.engine.sequence import Sequence
 
 
@@ -27,26 +33,33 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     scheduler, runner = llm.scheduler, llm.runner
+    cache = llm.caches[0]
+    # What DecodeGraphs would hold for this engine (LLM sizes its table the same way).
+    inputs = GraphInputs(args.batch, -(-llm.max_model_len // cache.block_size),
+                         cache.num_slots, cache.num_blocks, cache.device)
     for i in range(args.batch):
         prompt = torch.randint(3, 250, (args.prompt_len,), generator=gen).tolist()
         scheduler.add(Sequence(i, prompt, params))
 
-    def step() -> int:
+    def step(stage: bool) -> int:
         """One step of bookkeeping; every sampled token is 5 (no model runs)."""
         batch = scheduler.schedule()
-        _, _, spec = runner.prepare(batch)
-        runner.sample_rows(batch)
-        torch.tensor(spec.seq_lens, dtype=torch.int32)  # the graph runner's one extra copy
-        scheduler.postprocess(batch, {s.seq_id: (5, {}) for s, need in
-                                      zip(batch.seqs, batch.needs_sample, strict=True) if need})
+        token_ids, positions, spec = runner.prepare(batch)
+        rows = runner.sample_rows(batch)
+        if stage:
+            inputs.stage(len(batch.seqs), token_ids, positions, spec, rows)
+        sampled = [s for s, need in zip(batch.seqs, batch.needs_sample, strict=True) if need]
+        tokens = [5] * len(sampled)  # stands for sample(...)'s token ids, .tolist()
+        scheduler.postprocess(batch, {s.seq_id: (t, {}) for s, t in zip(sampled, tokens,
+                                                                         strict=True)})
         return len(batch.seqs)
 
     while scheduler.waiting or any(s.num_uncomputed > 1 for s in scheduler.running):
-        step()  # the prompts' prefill, uncounted
+        step(stage=False)  # the prompts' prefill, uncounted
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        size = step()
+        size = step(stage=True)
         times.append(time.perf_counter() - start)
     print(f"decode step bookkeeping at batch {size}: median "
           f"{statistics.median(times) * 1e3:.3f} ms over {args.steps} steps")

@@ -25,6 +25,67 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+class GraphInputs:
+    """The static input buffers of captured decode steps and their per-step staging.
+
+    Buffers for up to `max_rows` rows on `device`: token_ids, positions and slot_mapping
+    int64 [max_rows], seq_lens int32 [max_rows], block_table int32 [max_rows, max_blocks]
+    and query_start_loc int32 [max_rows + 1] (0, 1, .., max_rows: one token per row).
+    `stage` writes a step's host inputs into the first rows of a graph's size; slots and
+    block ids are checked against a cache of `num_slots` slots in `num_blocks` blocks,
+    since a replayed graph writes and reads wherever they point. On the CPU (no graphs)
+    it runs the same bookkeeping, which is what the host benchmark times.
+    """
+
+    def __init__(
+        self, max_rows: int, max_blocks: int, num_slots: int, num_blocks: int,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_blocks = num_blocks
+        self.device = device
+        self.token_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+
+    def stage(
+        self,
+        rows: int,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spec: BatchSpec,
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """Write B <= rows single-token requests (host token_ids [B], positions [B], spec)
+        into the first `rows` rows, padding the rest; returns sample_rows as an int64
+        index [S] on the device."""
+        batch = token_ids.shape[0]
+        table = spec.block_table
+        if table.shape[1] > self.block_table.shape[1]:
+            raise ValueError(
+                f"block_table has {table.shape[1]} columns, the graphs hold "
+                f"{self.block_table.shape[1]}"
+            )
+        if int(spec.slot_mapping.max()) >= self.num_slots:
+            raise ValueError(f"slot_mapping exceeds the cache's {self.num_slots} slots")
+        if int(table.max()) >= self.num_blocks:
+            raise ValueError(f"block_table exceeds the cache's {self.num_blocks} blocks")
+        self.token_ids[:batch].copy_(token_ids, non_blocking=True)
+        self.positions[:batch].copy_(positions, non_blocking=True)
+        self.slot_mapping[:batch].copy_(spec.slot_mapping, non_blocking=True)
+        self.slot_mapping[batch:rows].fill_(-1)
+        self.block_table[:batch, : table.shape[1]].copy_(table, non_blocking=True)
+        self.block_table[:batch, table.shape[1] :].zero_()
+        self.block_table[batch:rows].zero_()
+        seq_lens = torch.tensor(spec.seq_lens, dtype=torch.int32)
+        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        self.seq_lens[batch:rows].zero_()
+        return torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
 class DecodeGraphs:
     """Captured decode steps of `model` over `caches` for each size in `sizes`.
 
@@ -45,14 +106,8 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         cache = caches[0]
-        device = cache.device
-        rows = self.sizes[-1]
-        self.token_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, cache.num_slots,
+                                  cache.num_blocks, cache.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -62,6 +117,7 @@ class DecodeGraphs:
 
     def _metadata(self, rows: int) -> MLAMetadata:
         cache = self.caches[0]
+        inputs = self.inputs
         return MLAMetadata(
             num_tokens=rows,
             num_decodes=rows,
@@ -71,14 +127,14 @@ class DecodeGraphs:
             block_size=cache.block_size,
             kv_lora_rank=cache.kv_lora_rank,
             rope_dim=cache.rope_dim,
-            slot_mapping=self.slot_mapping[:rows],
-            max_slot=-1,  # the replayed slots are validated on the host in run()
+            slot_mapping=inputs.slot_mapping[:rows],
+            max_slot=-1,  # the replayed slots are validated on the host in GraphInputs.stage
             max_block=0,
             device=cache.device,
             decode=DecodeMetadata(
-                block_table=self.block_table[:rows],
-                seq_lens=self.seq_lens[:rows],
-                query_start_loc=self.query_start_loc[: rows + 1],
+                block_table=inputs.block_table[:rows],
+                seq_lens=inputs.seq_lens[:rows],
+                query_start_loc=inputs.query_start_loc[: rows + 1],
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
             ),
@@ -90,7 +146,7 @@ class DecodeGraphs:
         pool = None
         for rows in reversed(self.sizes):  # largest first: later graphs reuse its memory
             meta = self._metadata(rows)
-            args = (self.token_ids[:rows], self.positions[:rows], self.caches, meta)
+            args = (self.inputs.token_ids[:rows], self.inputs.positions[:rows], self.caches, meta)
             # Warm-up outside the graph compiles kernels and builds lazy tables (RoPE).
             self.model.compute_logits(self.model(*args))
             torch.cuda.synchronize()
@@ -109,30 +165,8 @@ class DecodeGraphs:
         sample_rows: list[int],
     ) -> torch.Tensor:
         """Replay a decode step of B <= max_batch single-token requests (host inputs)."""
-        batch = token_ids.shape[0]
-        rows = next(size for size in self.sizes if size >= batch)
-        table = spec.block_table
-        if table.shape[1] > self.block_table.shape[1]:
-            raise ValueError(
-                f"block_table has {table.shape[1]} columns, the graphs hold "
-                f"{self.block_table.shape[1]}"
-            )
-        cache = self.caches[0]
-        if int(spec.slot_mapping.max()) >= cache.num_slots:
-            raise ValueError(f"slot_mapping exceeds the cache's {cache.num_slots} slots")
-        if int(table.max()) >= cache.num_blocks:
-            raise ValueError(f"block_table exceeds the cache's {cache.num_blocks} blocks")
-        self.token_ids[:batch].copy_(token_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(spec.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:rows].fill_(-1)
-        self.block_table[:batch, : table.shape[1]].copy_(table, non_blocking=True)
-        self.block_table[:batch, table.shape[1] :].zero_()
-        self.block_table[batch:rows].zero_()
-        seq_lens = torch.tensor(spec.seq_lens, dtype=torch.int32)
-        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[batch:rows].zero_()
+        rows = next(size for size in self.sizes if size >= token_ids.shape[0])
+        index = self.inputs.stage(rows, token_ids, positions, spec, sample_rows)
         graph, logits = self.graphs[rows]
         graph.replay()
-        index = torch.tensor(sample_rows, dtype=torch.int64).to(logits.device, non_blocking=True)
         return logits.index_select(0, index)
