@@ -24,6 +24,7 @@ short request uses few splits and the programs past its end write an empty parti
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -70,26 +71,27 @@ class DecodeConfig:
     paged: bool = True
 
 
-# Keyed by regime; the lead can try variants on the GPU by editing this dict or passing
-# `config=` (benchmarks/bench_kernels.py --sweep-configs decode times a set of them).
-# Chosen from sweeps on an H200 (Triton 3.6):
-# * rows16 (N * q_len <= 16, memory-bound): the swapped products on 64-position tiles
-#   use wgmma (M = 64 positions) with few registers: 2.07 TB/s at B = 128, N = 16, 8k,
-#   vs 1.81 for the direct form's best (32 positions, mma.sync, 210 registers).
-# * rows32: swapped, 8 warps (no spills): 1.83 TB/s at B = 128, N = 32, 8k.
+# Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
+# --sweep-configs decode` times a set of them). Chosen from sweeps on an H200 (Triton
+# 3.6, CUDA-graph replay, 64-token pages so that tiles are copied in bulk):
+# * rows16 (N * q_len <= 16, memory-bound): swapped products (wgmma with M = 64
+#   positions), one warpgroup, two stages of 64-position tiles (168 KB of shared
+#   memory): 3.2 TB/s at B = 128, N = 16, 8k; 8 warps 2.4, the direct form 3.0, the
+#   row gather 2.4.
+# * rows32: the same form: 2.66 TB/s at B = 128, N = 32, 8k (8 warps: 1.78).
 # * rows64 (N >= 64): direct form; the [64, 512] float32 accumulator needs 8 warps
-#   (128 registers per thread); 64-position tiles with 3 stages fill ~220 KB of
-#   shared memory: 219-232 TFLOP/s at N = 128, B = 64-128, 4k-8k.
-# * fp8: the tile is widened to float16 in registers; the direct form with 8 warps
-#   spills least (0-92 registers) and is the fastest measured, yet still far from
-#   half the bf16 time (see the report).
+#   (128 registers per thread); two stages of 64-position tiles plus q fill 221 KB:
+#   273-287 TFLOP/s at N = 128, B = 64-128, 4k-8k.
+# * fp8: the tile is widened to float16 in registers, which the direct form with 8
+#   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
+#   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "rows16": DecodeConfig(16, 64, 4, 3, 256, 1, swap_ab=True),
+    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True),
     "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1),
-    "rows32": DecodeConfig(32, 64, 8, 3, 256, 1, swap_ab=True),
+    "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True),
     "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
-    "rows64": DecodeConfig(64, 64, 8, 3, 512, 1),
-    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1),
+    "rows64": DecodeConfig(64, 64, 8, 2, 512, 1),
+    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1, paged=False),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
 }
@@ -106,6 +108,7 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
     return DECODE_CONFIGS[key + ("-fp8" if is_fp8 else "")]
 
 
+@functools.lru_cache(maxsize=4096)  # pure in host ints: eager steps skip the search
 def plan_num_splits(
     num_reqs: int,
     head_groups: int,
@@ -267,8 +270,25 @@ def _attend_tile(
 def _visible(pos, hi, limit, SWAP_AB: tl.constexpr):
     """Which (position, row) pairs count: inside the slice and causally visible."""
     if SWAP_AB:
-        return (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
-    return (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
+        visible = (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
+    else:
+        visible = (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
+    return visible
+
+
+@triton.jit
+def _paged_step(
+    acc_a, acc_b, m_i, l_i, latent_desc, rope_desc, table_row, start, hi, limit,
+    q_a, q_b, q_pe, qk_scale, compute_dtype: tl.constexpr, L: tl.constexpr,
+    R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+):
+    """Copy the tile at `start` in bulk and fold it into (acc_a, acc_b, m_i, l_i)."""
+    kv_a, kv_b, k_pe = _paged_tile(latent_desc, rope_desc, table_row, start, hi,
+                                   compute_dtype, L, R, PAGE, BLOCK_N, HALF_L, MASKED)
+    visible = _visible(start + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
+    return _attend_tile(acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
+                        qk_scale, R, PRECISION, SWAP_AB)
 
 
 @triton.jit
@@ -353,22 +373,26 @@ def _decode_partial_kernel(
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     if PAGED:
         # Whole tiles need no mask (every row is a written slot below hi); only the
-        # last, partial tile is zeroed past hi.
+        # last, partial tile is zeroed past hi, which takes it through registers. Where
+        # it goes is a register-allocation choice, measured per form on an H200: first
+        # in the swapped form (the accumulators are still empty there, which kept
+        # ptxas from spilling inside the loop), last in the direct form (faster there).
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        if SWAP_AB and full_hi < hi:
+            acc_a, acc_b, m_i, l_i = _paged_step(
+                acc_a, acc_b, m_i, l_i, latent_desc, rope_desc, table_row, full_hi, hi,
+                limit, q_a, q_b, q_pe, qk_scale, COMPUTE, L, R, PAGE, BLOCK_N, HALF_L,
+                True, PRECISION, SWAP_AB)
         for start in range(lo, full_hi, BLOCK_N):
-            kv_a, kv_b, k_pe = _paged_tile(latent_desc, rope_desc, table_row, start, hi,
-                                           COMPUTE, L, R, PAGE, BLOCK_N, HALF_L, False)
-            visible = _visible(start + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
-            acc_a, acc_b, m_i, l_i = _attend_tile(
-                acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
-                qk_scale, R, PRECISION, SWAP_AB)
-        if full_hi < hi:
-            kv_a, kv_b, k_pe = _paged_tile(latent_desc, rope_desc, table_row, full_hi, hi,
-                                           COMPUTE, L, R, PAGE, BLOCK_N, HALF_L, True)
-            visible = _visible(full_hi + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
-            acc_a, acc_b, m_i, l_i = _attend_tile(
-                acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
-                qk_scale, R, PRECISION, SWAP_AB)
+            acc_a, acc_b, m_i, l_i = _paged_step(
+                acc_a, acc_b, m_i, l_i, latent_desc, rope_desc, table_row, start, hi,
+                limit, q_a, q_b, q_pe, qk_scale, COMPUTE, L, R, PAGE, BLOCK_N, HALF_L,
+                False, PRECISION, SWAP_AB)
+        if not SWAP_AB and full_hi < hi:
+            acc_a, acc_b, m_i, l_i = _paged_step(
+                acc_a, acc_b, m_i, l_i, latent_desc, rope_desc, table_row, full_hi, hi,
+                limit, q_a, q_b, q_pe, qk_scale, COMPUTE, L, R, PAGE, BLOCK_N, HALF_L,
+                True, PRECISION, SWAP_AB)
     else:
         for start in range(lo, hi, BLOCK_N):
             kv_a, kv_b, k_pe = _gather_tile(data_ptr, table_row, start, hi, stride_db,
