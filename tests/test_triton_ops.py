@@ -56,6 +56,7 @@ from pagedmla.ops.triton import (
     gather_cache,
     merge_attn_states,
     mla_decode,
+    prefill_attention,
     varlen_attention,
     write_cache,
 )
@@ -405,7 +406,8 @@ def test_gather_cache_widths(width: int) -> None:
 # --- varlen prefill attention --------------------------------------------------------------
 
 
-def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE) -> None:
+def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE,
+                  fn=varlen_attention) -> None:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(q_lens), N, qk, generator=gen).to(device, dtype)
     # k and v as strided views of one buffer, as the up-projection produces them.
@@ -414,7 +416,7 @@ def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE)
     args = (q, k, v, _cu(q_lens, device), _cu(k_lens, device), max(q_lens), max(k_lens),
             qk**-0.5, causal)
     _poison_allocator(device)
-    out, lse = varlen_attention(*args)
+    out, lse = fn(*args)
     want, want_lse = ref.varlen_attention(*args)
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(lse.isneginf(), want_lse.isneginf())
@@ -433,6 +435,31 @@ def test_varlen_causal(dtype: torch.dtype, qk: int, dv: int) -> None:
     # Lengths 0 and 1, one block, several blocks with a partial last one.
     lens = [0, 1, 5, 33, 70]
     _check_varlen(lens, lens, 3, qk, dv, dtype, True, seed=120 + qk)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("q_lens", "k_lens", "causal", "on_cudnn"), [
+    ([300], [300], True, True),  # one sequence
+    ([64, 64, 64], [64, 64, 64], True, True),  # equal lengths: dense [3, N, 64, D]
+    ([40, 40], [100, 100], False, True),  # a context chunk's shape, unmasked
+    ([5, 77], [5, 77], True, False),  # varlen: the Triton kernel
+    ([40, 40], [90, 90], True, False),  # causal, not square: cuDNN's mask would differ
+], ids=["one", "equal", "context", "varlen", "rect-causal"])
+def test_prefill_selection(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                           q_lens: list[int], k_lens: list[int], causal: bool,
+                           on_cudnn: bool) -> None:
+    # The backend's prefill op: cuDNN for equal-length batches, else the Triton kernel;
+    # both against the reference, with the path taken checked.
+    from pagedmla.ops.triton import prefill_select
+
+    calls: list[int] = []
+    dense = prefill_select._cudnn_dense
+    monkeypatch.setattr(prefill_select, "_cudnn_dense",
+                        lambda *a: calls.append(1) or dense(*a))
+    _check_varlen(q_lens, k_lens, 16, 192, 128, dtype, causal, seed=135, device="cuda",
+                  fn=prefill_attention)
+    assert bool(calls) == on_cudnn
 
 
 @runnable

@@ -1,5 +1,9 @@
 """The Triton backend: one kernel file per op, assembled into a `Backend`.
 
+Prefill attention goes through `prefill_select`, which hands batches of equal-length
+sequences to cuDNN (faster there) and everything else to our Triton kernel;
+`varlen_attention` is the kernel itself.
+
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
 """
@@ -11,13 +15,14 @@ from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.prefill import varlen_attention
+from pagedmla.ops.triton.prefill_select import varlen_attention as prefill_attention
 
 TRITON_BACKEND = Backend(
     name="triton",
     write_cache=write_cache,
     gather_cache=gather_cache,
     mla_decode=mla_decode,
-    varlen_attention=varlen_attention,
+    varlen_attention=prefill_attention,
     merge_attn_states=merge_attn_states,
     graph_safe=True,
 )
@@ -27,6 +32,7 @@ __all__ = [
     "gather_cache",
     "merge_attn_states",
     "mla_decode",
+    "prefill_attention",
     "varlen_attention",
     "write_cache",
 ]

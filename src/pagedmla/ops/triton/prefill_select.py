@@ -1,0 +1,90 @@
+"""Prefill attention of the triton backend: cuDNN's fused attention where it applies,
+our Triton kernel (`prefill.varlen_attention`) everywhere else.
+
+Why: on an H200, PyTorch's cuDNN attention runs dense causal prefill (qk 192 / v 128)
+1.2-1.3x faster than our kernel and returns the log-sum-exp that the chunked-context
+merge needs (docs/PERFORMANCE.md). Its ragged entry point (`_cudnn_attention_forward`
+with cumulative lengths) is correct but rebuilds its plan on every call, about 50x
+slower, and gives wrong results with int64 lengths; so only batches whose sequences all
+share one query length and one key length take cuDNN, through the dense op on views of
+the packed tensors. Which batches those are follows from host ints alone (B sequences
+of at most max_len tokens filling T tokens means every one has max_len), so choosing
+never reads the device. cuDNN's causal mask is top-left; it equals ours (bottom-right)
+only for square attention, so causal batches need q_len == k_len.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedmla.ops.triton.prefill import varlen_attention as triton_varlen_attention
+
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+# (qk dim, v dim, dtype) that cuDNN refused once: not asked again.
+_REFUSED: set[tuple[int, int, torch.dtype]] = set()
+
+
+def _takes_cudnn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
+    max_seqlen_k: int, softmax_scale: float, causal: bool,
+) -> bool:
+    """Whether every sequence has max_seqlen_q queries and max_seqlen_k keys (and, for
+    causal, as many of each), and the inputs are ones cuDNN takes. Anything else
+    (including invalid input, which the Triton path reports) goes to the kernel."""
+    return (
+        q.is_cuda
+        and q.dtype in _CUDNN_DTYPES
+        and torch.backends.cudnn.is_available()
+        and num_seqs >= 1
+        and max_seqlen_q >= 1
+        and max_seqlen_k >= 1
+        and num_seqs * max_seqlen_q == q.shape[0]
+        and num_seqs * max_seqlen_k == k.shape[0]
+        and (not causal or max_seqlen_q == max_seqlen_k)
+        and softmax_scale > 0
+        and (q.shape[-1], v.shape[-1], q.dtype) not in _REFUSED
+    )
+
+
+def _cudnn_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense cuDNN attention on [B, N, S, D] views of the packed [B * S, N, D] inputs."""
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(0, (num_seqs, -1)).transpose(1, 2)
+
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        heads_first(q), heads_first(k), heads_first(v), None, True, 0.0, causal, False,
+        scale=softmax_scale,
+    )
+    out, lse = result[0], result[1]
+    num_heads = q.shape[1]
+    out = out.transpose(1, 2).reshape(q.shape[0], num_heads, v.shape[-1])
+    lse = lse.reshape(num_seqs, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
+    return out, lse
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `prefill.varlen_attention` (q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv];
+    returns out [Tq, N, Dv] and lse [N, Tq] float32), on cuDNN when every sequence has
+    the same lengths (see the module docstring), else on the Triton kernel."""
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if _takes_cudnn(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        key = (q.shape[-1], v.shape[-1], q.dtype)
+        try:
+            return _cudnn_dense(q, k, v, num_seqs, softmax_scale, causal)
+        except RuntimeError:  # a head dim or layout this cuDNN build does not take
+            _REFUSED.add(key)
+    return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, softmax_scale, causal)
