@@ -311,34 +311,37 @@ def check_graph_replay() -> list[str]:
 
 
 def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
-    shapes = [  # (batch, heads, context, q_len, regime)
-        (64, 16, 2048, 1, "memory"), (64, 16, 8192, 1, "memory"),
-        (128, 16, 8192, 1, "memory"), (256, 16, 4096, 1, "memory"),
-        (64, 16, 32768, 1, "memory"), (256, 16, 32768, 1, "memory"),
-        (1, 16, 131072, 1, "memory"),
-        (1, 128, 65536, 1, "compute"), (1, 128, 131072, 1, "compute"),
-        (64, 128, 4096, 1, "compute"), (128, 128, 8192, 1, "compute"),
-        (64, 16, 8192, 4, "memory"),
+    """Decode shapes on 64-token pages (bulk tile copies), plus 16-token pages (row
+    gather) for comparison."""
+    shapes = [  # (batch, heads, context, q_len, regime, page size)
+        (64, 16, 2048, 1, "memory", 64), (64, 16, 8192, 1, "memory", 64),
+        (128, 16, 8192, 1, "memory", 64), (256, 16, 4096, 1, "memory", 64),
+        (64, 16, 32768, 1, "memory", 64), (256, 16, 32768, 1, "memory", 64),
+        (1, 16, 131072, 1, "memory", 64),
+        (1, 128, 65536, 1, "compute", 64), (1, 128, 131072, 1, "compute", 64),
+        (64, 128, 4096, 1, "compute", 64), (128, 128, 8192, 1, "compute", 64),
+        (64, 16, 8192, 4, "memory", 64), (128, 16, 8192, 1, "memory", 16),
     ]
     if quick:
-        shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10)]
+        shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10, 12)]
     reference_for = {(64, 16, 2048, 1), (1, 128, 65536, 1), (64, 128, 4096, 1)}
     rows = []
-    for batch, heads, context, q_len, regime in shapes:
+    for batch, heads, context, q_len, regime, page in shapes:
         results = {}
         for cache in (torch.bfloat16, FP8):
-            args = decode_inputs(batch, heads, context, q_len, cache=cache)
+            args = decode_inputs(batch, heads, context, q_len, block_size=page, cache=cache)
             us = bench(graphed(lambda args=args: mla_decode(*args)))
             eager_us = bench(lambda args=args: mla_decode(*args))
             nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size())
             results[cache] = (us, nbytes, flops)
             ref_us = None
-            if cache == torch.bfloat16 and (batch, heads, context, q_len) in reference_for:
+            if (cache == torch.bfloat16 and page == 64
+                    and (batch, heads, context, q_len) in reference_for):
                 ref_us = bench(lambda args=args: ref.mla_decode(*args), rep_ms=200)
             name = "bf16" if cache == torch.bfloat16 else "fp8"
             row = {
                 "kernel": "mla_decode", "cache": name, "regime": regime, "B": batch,
-                "N": heads, "context": context, "q_len": q_len, "us": us,
+                "N": heads, "context": context, "q_len": q_len, "page": page, "us": us,
                 "eager_us": eager_us, "bytes": nbytes,
                 "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
                 "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
@@ -574,7 +577,7 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
     for r in rows:
         if r["kernel"] == "mla_decode":
             shape = (f"{r['cache']} B={r['B']} N={r['N']} ctx={r['context']} "
-                     f"q_len={r['q_len']}")
+                     f"q_len={r['q_len']} page={r.get('page', 64)}")
             if "fp8_speedup_vs_bf16" in r:
                 shape += f" (x{r['fp8_speedup_vs_bf16']:.2f} vs bf16)"
         elif r["kernel"] == "merge_attn_states":
@@ -605,8 +608,8 @@ def write_plots(report: dict, directory: str) -> list[str]:
     ceil = report["ceilings"]
     rows = report["results"]
     decode = [r for r in rows if r["kernel"] == "mla_decode"]
-    label = [f"{r['cache']} B={r['B']} N={r['N']}\nctx={r['context']} q={r['q_len']}"
-             for r in decode]
+    label = [f"{r['cache']} B={r['B']} N={r['N']}\nctx={r['context']} q={r['q_len']} "
+             f"p={r.get('page', 64)}" for r in decode]
     paths = []
     for metric, ceiling, name, unit in (
         ("tbps", ceil["hbm_read_tbps"], "decode_bandwidth.png", "TB/s"),
