@@ -11,12 +11,6 @@ tiles wholly visible to every query of the block run without masks, the few on t
 diagonal with masks, and tiles wholly above it are never visited. Query blocks are
 launched heaviest first (the last block of a causal sequence has the most keys). The
 grid comes from max_seqlen_q (a host int): no device value is read on the host.
-
-Key and value tiles come either from pointer loads or (PrefillConfig.tma) as bulk
-tensor copies through host tensor descriptors (TMA on Hopper), with the same tile math.
-The softmax scale is applied inside the exp2 argument (one FMA with the max
-subtraction), not folded into q: rounding a scaled q to 16 bits moves the lse by
-~5e-4 in float16, past the tests' 1e-4.
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedmla.ops.triton._utils import (
     cdiv,
@@ -40,18 +33,10 @@ from pagedmla.ops.triton._utils import (
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile sizes and launch options of the prefill kernel.
-
-    tma: load key and value tiles as bulk tensor copies (host tensor descriptors, the
-    Hopper copy engine) instead of pointer loads, where the k / v layout allows it
-    (see `_kv_descriptors`); otherwise the pointer loads are used anyway.
-    """
-
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
 
 
 # Keyed by the padded widths of one q row plus one v row (16-bit inputs); float32 uses
@@ -80,140 +65,76 @@ def pick_config(qk_dim: int, v_dim: int, dtype: torch.dtype) -> PrefillConfig:
 
 
 @triton.jit
-def _load_k(
-    k_base, k1_desc, k2_desc, start, k_len, k_row, k_col, stride_kt,
-    QK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
-):
-    """Keys [start, start + BLOCK_N) of one head: k1 [BLOCK_N, D1] (columns < D1) and
-    k2 [BLOCK_N, BLOCK_D2] (columns D1.., only meaningful when D2 > 0).
-
-    Columns past QK are zero: q's are zero there too, but 0 x NaN would be NaN.
-    TMA: bulk copies at (k_row, k_col) of the [Tk, heads x stride_kh] view. Rows at or
-    past k_len then hold the next sequence's keys, whatever follows the used rows (maybe
-    NaN) or zeros past Tk: the caller masks their scores with a select. Otherwise
-    pointer loads, masked where the tile or the head dim needs it.
-    """
-    cols1 = tl.arange(0, D1)
-    cols2 = tl.arange(0, BLOCK_D2)
-    if TMA:
-        k1 = k1_desc.load([k_row, k_col])
-        if D1 > QK:  # the box reads into the next head's (or unrelated) columns
-            k1 = tl.where(cols1[None, :] < QK, k1, 0.0)
-        k2 = k1
-        if D2 > 0:
-            k2 = k2_desc.load([k_row, k_col + D1])
-            if BLOCK_D2 > D2:
-                k2 = tl.where(cols2[None, :] < D2, k2, 0.0)
-    else:
-        keys = start + tl.arange(0, BLOCK_N)
-        k_rows = k_base + keys.to(tl.int64)[:, None] * stride_kt
-        if MASKED:
-            k1 = tl.load(k_rows + cols1[None, :],
-                         mask=(keys < k_len)[:, None] & (cols1[None, :] < QK), other=0.0)
-        elif D1 > QK:
-            k1 = tl.load(k_rows + cols1[None, :], mask=cols1[None, :] < QK, other=0.0)
-        else:  # the common case: whole tile in range, unmasked (vectorized) loads
-            k1 = tl.load(k_rows + cols1[None, :])
-        k2 = k1
-        if D2 > 0:
-            mask2 = cols2[None, :] < D2
-            if MASKED:
-                mask2 = mask2 & (keys < k_len)[:, None]
-            k2 = tl.load(k_rows + D1 + cols2[None, :], mask=mask2, other=0.0)
-    return k1, k2
-
-
-@triton.jit
-def _load_v(
-    v_base, v_desc, start, k_len, k_row, v_col, stride_vt,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    """Values [start, start + BLOCK_N) of one head: [BLOCK_N, BLOCK_DV], rows at or
-    past k_len zero (their softmax weight is 0, but 0 x NaN would be NaN).
-
-    Columns past DV may hold anything: they only reach output columns never stored.
-    """
-    keys = start + tl.arange(0, BLOCK_N)
-    if TMA:
-        v = v_desc.load([k_row, v_col])
-        if MASKED:
-            v = tl.where((keys < k_len)[:, None], v, 0.0)
-    else:
-        cols_v = tl.arange(0, BLOCK_DV)
-        v_ptrs = v_base + keys.to(tl.int64)[:, None] * stride_vt + cols_v[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(keys < k_len)[:, None] & (cols_v[None, :] < DV),
-                        other=0.0)
-        elif BLOCK_DV > DV:
-            v = tl.load(v_ptrs, mask=cols_v[None, :] < DV, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-    return v
-
-
-@triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q1, q2, k_base, v_base, k1_desc, k2_desc, v_desc, start, k_len,
-    k_begin, k_col, v_col, rows, q_shift, stride_kt, stride_vt, qk_scale,
+    acc, m_i, l_i, q1, q2, k_base, v_base, start, k_len, rows, q_shift,
+    stride_kt, stride_vt, qk_scale,
     QK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Fold keys [start, start + BLOCK_N) into the running (acc, m, l).
 
     MASKED: the tile crosses k_len or the causal diagonal, so positions are checked
-    (and rows past k_len masked or zeroed); otherwise every key of the tile is visible
-    to every query.
-    m is in scaled base-2 units; scores are scaled inside the exp2 argument (one FMA
-    per score with the subtraction of m).
+    (and loads masked); otherwise every key of the tile is visible to every query.
     """
-    k_row = k_begin + start  # int32 descriptor coordinate (TMA)
-    k1, k2 = _load_k(k_base, k1_desc, k2_desc, start, k_len, k_row, k_col, stride_kt,
-                     QK, D1, D2, BLOCK_D2, BLOCK_N, MASKED, TMA)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < k_len
+    k_rows = keys.to(tl.int64) * stride_kt
+    v_rows = keys.to(tl.int64) * stride_vt
+    cols1 = tl.arange(0, D1)
+    cols_v = tl.arange(0, BLOCK_DV)
+    k1_ptrs = k_base + k_rows[:, None] + cols1[None, :]
+    if MASKED:
+        k1 = tl.load(k1_ptrs, mask=key_ok[:, None] & (cols1[None, :] < QK), other=0.0)
+    elif D1 > QK:
+        k1 = tl.load(k1_ptrs, mask=cols1[None, :] < QK, other=0.0)
+    else:  # the common case: whole tile in range, unmasked (vectorized) loads
+        k1 = tl.load(k1_ptrs)
     scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
     if D2 > 0:
-        scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION)
+        cols2 = tl.arange(0, BLOCK_D2)
+        mask2 = cols2[None, :] < D2
+        if MASKED:
+            mask2 = mask2 & key_ok[:, None]
+        k2 = tl.load(k_base + k_rows[:, None] + D1 + cols2[None, :], mask=mask2, other=0.0)
+        scores += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
+    scores = scores * qk_scale
     if MASKED:
-        keys = start + tl.arange(0, BLOCK_N)
-        visible = (keys < k_len)[None, :]
+        visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (keys[None, :] <= rows[:, None] + q_shift)
-        # A select, not arithmetic: rows past k_len may hold NaN under TMA.
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
         # Rows that have seen no key keep m = -inf: shift by 0 so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)  # max commutes: scale > 0
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = m_new
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(scores * qk_scale - m_safe[:, None])
-    v = _load_v(v_base, v_desc, start, k_len, k_row, v_col, stride_vt, DV, BLOCK_DV,
-                BLOCK_N, MASKED, TMA)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    p = tl.math.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_base + v_rows[:, None] + cols_v[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & (cols_v[None, :] < DV), other=0.0)
+    elif BLOCK_DV > DV:
+        v = tl.load(v_ptrs, mask=cols_v[None, :] < DV, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _varlen_attention_kernel(
-    q_ptr, k_ptr, v_ptr, k1_desc, k2_desc, v_desc, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lh, stride_lt,
     num_m_blocks, softmax_scale,
     QK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence).
-
-    TMA: key and value tiles are bulk copies through k1_desc ([BLOCK_N, D1] boxes),
-    k2_desc ([BLOCK_N, BLOCK_D2], when D2 > 0) and v_desc ([BLOCK_N, BLOCK_DV]) over
-    k and v viewed as [tokens, heads x head stride] rows (see `_kv_descriptors`);
-    otherwise pointer loads from k_ptr / v_ptr (the descriptors are None).
-    """
+    """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence)."""
     m_block = num_m_blocks - 1 - tl.program_id(0)  # heaviest causal blocks first
     head = tl.program_id(1).to(tl.int64)
     seq = tl.program_id(2)
@@ -250,9 +171,6 @@ def _varlen_attention_kernel(
         q2 = q1  # unused
     k_base = k_ptr + k_begin.to(tl.int64) * stride_kt + head * stride_kh
     v_base = v_ptr + k_begin.to(tl.int64) * stride_vt + head * stride_vh
-    # Descriptor columns of this head (int32: the host checked they fit).
-    k_col = tl.program_id(1) * stride_kh
-    v_col = tl.program_id(1) * stride_vh
     qk_scale = softmax_scale * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -260,15 +178,15 @@ def _varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q1, q2, k_base, v_base, k1_desc, k2_desc, v_desc, start, k_len,
-            k_begin, k_col, v_col, rows, q_shift, stride_kt, stride_vt, qk_scale,
-            QK, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION, TMA,
+            acc, m_i, l_i, q1, q2, k_base, v_base, start, k_len, rows, q_shift,
+            stride_kt, stride_vt, qk_scale, QK, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N,
+            False, CAUSAL, PRECISION,
         )
     for start in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q1, q2, k_base, v_base, k1_desc, k2_desc, v_desc, start, k_len,
-            k_begin, k_col, v_col, rows, q_shift, stride_kt, stride_vt, qk_scale,
-            QK, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION, TMA,
+            acc, m_i, l_i, q1, q2, k_base, v_base, start, k_len, rows, q_shift,
+            stride_kt, stride_vt, qk_scale, QK, D1, D2, BLOCK_D2, DV, BLOCK_DV, BLOCK_N,
+            True, CAUSAL, PRECISION,
         )
 
     has_key = l_i > 0.0
@@ -280,33 +198,6 @@ def _varlen_attention_kernel(
              out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (cols_v[None, :] < DV))
     tl.store(lse_ptr + head * stride_lh + tok * stride_lt, lse, mask=row_ok)
-
-
-def _kv_descriptors(
-    t: torch.Tensor, block_n: int, boxes: tuple[int, ...]
-) -> list[TensorDescriptor] | None:
-    """Descriptors of [block_n, box] tiles over t [T, N, D] viewed as 2D rows, or None
-    where the layout rules bulk copies out.
-
-    Row i of the view is token i; head h's columns start at h x t.stride(1). The view's
-    width stops at the last head's last column, so every in-bounds address lies inside
-    t's storage (a box that runs past it is zero-filled). The copy engine needs a 16-byte
-    aligned base, row stride and column offsets (h x stride(1), and the box offsets
-    inside a head, which are multiples of 16 elements), boxes of at most 256 rows and
-    columns with at least 16 bytes per row; rows must not overlap (stride(0) >= width)
-    and the coordinates must fit int32.
-    """
-    num_rows, num_heads, dim = t.shape
-    size = t.element_size()
-    width = (num_heads - 1) * t.stride(1) + dim
-    head_bytes = t.stride(1) * size if num_heads > 1 else 0
-    if (num_rows == 0 or t.stride(2) != 1 or t.data_ptr() % 16
-            or t.stride(0) * size % 16 or head_bytes % 16 or t.stride(0) < width
-            or width + max(boxes) >= 2**31 or num_rows >= 2**31 or block_n > 256
-            or any(box > 256 or box * size < 16 for box in boxes)):
-        return None
-    shape, strides = [num_rows, width], [t.stride(0), 1]
-    return [TensorDescriptor(t, shape, strides, [block_n, box]) for box in boxes]
 
 
 def varlen_attention(
@@ -325,14 +216,10 @@ def varlen_attention(
     """Variable-length MHA with log-sum-exp (as `reference.varlen_attention`).
 
     q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv] (any strides but the last);
-    softmax_scale > 0 (the kernel scales a row's maximum score); cu_seqlens_q /
-    cu_seqlens_k int32 [B + 1]; causal is bottom-right. max_seqlen_q (host int, >= every
-    q_len) sizes the grid. Returns out [Tq, N, Dv] in q's dtype and lse [N, Tq] float32;
-    a query that sees no key gets out 0 and lse -inf. config overrides the tiles (and
-    tma) of `pick_config`.
+    cu_seqlens_q / cu_seqlens_k int32 [B + 1]; causal is bottom-right. max_seqlen_q
+    (host int, >= every q_len) sizes the grid. Returns out [Tq, N, Dv] in q's dtype
+    and lse [N, Tq] float32; a query that sees no key gets out 0 and lse -inf.
     """
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     check_device(q, k, v)
     num_tokens, num_heads, qk_dim = q.shape
     v_dim = v.shape[-1]
@@ -348,23 +235,15 @@ def varlen_attention(
     d1, d2 = split_pow2(qk_dim)
     if d1 < 16:  # tl.dot needs K >= 16: pad a tiny head dim with masked columns
         d1, d2 = 16, 0
-    block_d2 = max(16, next_pow2(d2)) if d2 else 16
-    block_dv = max(16, next_pow2(v_dim))
-    descs = None
-    if cfg.tma:
-        k_descs = _kv_descriptors(k, cfg.block_n, (d1, block_d2) if d2 else (d1,))
-        v_descs = _kv_descriptors(v, cfg.block_n, (block_dv,))
-        if k_descs is not None and v_descs is not None:
-            descs = (k_descs[0], k_descs[1] if d2 else None, v_descs[0])
     num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
     _varlen_attention_kernel[(num_m_blocks, num_heads, num_seqs)](
-        q, k, v, *(descs or (None, None, None)), cu_seqlens_q, cu_seqlens_k, out, lse,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_m_blocks, float(softmax_scale),
-        QK=qk_dim, D1=d1, D2=d2, BLOCK_D2=block_d2, DV=v_dim, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
-        PRECISION=dot_precision(q.dtype), TMA=descs is not None,
+        QK=qk_dim, D1=d1, D2=d2, BLOCK_D2=max(16, next_pow2(d2)) if d2 else 16, DV=v_dim,
+        BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal), PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
