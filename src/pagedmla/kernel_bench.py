@@ -516,17 +516,14 @@ def sweep_decode_configs() -> list[dict]:
 
 
 def sweep_prefill_configs() -> list[dict]:
-    """Time prefill configs (block_m, block_n, warps, stages, tma) per head-dim pair on
+    """Time prefill configs (block_m, block_n, warps, stages) per head-dim pair on
     8k causal tokens, against cuDNN SDPA on the same dense shape."""
     from pagedmla.ops.triton.prefill import PrefillConfig, _varlen_attention_kernel
 
-    common = [(128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 8, 2, True),
-              (128, 128, 8, 2, False), (128, 64, 8, 3, False)]
-    cases = {(192, 128): [*common, (128, 64, 8, 4, True), (64, 64, 4, 2, True),
-                          (64, 64, 4, 3, True)],
-             (256, 256): [(128, 64, 8, 2, True), (128, 64, 8, 2, False)],
-             (128, 128): [(128, 128, 8, 3, False), (128, 128, 8, 2, True),
-                          (128, 64, 8, 3, True)]}
+    cases = {(192, 128): [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                          (64, 64, 4, 2)],
+             (256, 256): [(128, 64, 8, 2)],
+             (128, 128): [(128, 128, 8, 3), (128, 64, 8, 3)]}
     rows = []
     for (qk, dv), variants in cases.items():
         for heads in ((16, 128) if qk == 192 else (16,)):
@@ -538,8 +535,8 @@ def sweep_prefill_configs() -> list[dict]:
             flops = 2 * heads * (seq * (seq + 1) // 2) * (qk + dv)
             base_us, label = _sdpa_baseline(q, k.contiguous(), v.contiguous(), True)
             print(f"  prefill {qk}/{dv} N={heads}: {label} {base_us:.0f} us", flush=True)
-            for bm, bn, w, st, tma in variants:
-                cfg = PrefillConfig(bm, bn, w, st, tma=tma)
+            for bm, bn, w, st in variants:
+                cfg = PrefillConfig(bm, bn, w, st)
                 try:
                     us = bench(lambda cfg=cfg, q=q, k=k, v=v, cu=cu, seq=seq: varlen_attention(
                         q, k, v, cu, cu, seq, seq, 0.07, True, config=cfg), rep_ms=100)
@@ -550,7 +547,7 @@ def sweep_prefill_configs() -> list[dict]:
                        "us": us, "tflops": flops / us / 1e6, "baseline_us": base_us,
                        "stats": _last_compiled(_varlen_attention_kernel)}
                 rows.append(row)
-                print(f"  prefill {qk}/{dv} N={heads} {bm}/{bn}/{w}/{st} tma={tma}: "
+                print(f"  prefill {qk}/{dv} N={heads} {bm}/{bn}/{w}/{st}: "
                       f"{us:.0f} us {row['tflops']:.0f} TFLOP/s {base_us / us:.2f}x "
                       f"{row['stats']}", flush=True)
             del q, kv, k, v
