@@ -135,8 +135,11 @@ class BlockManager:
         """Register every block of ``seq`` now full of computed tokens, for later reuse."""
         if not self.enable_prefix_caching:
             return
-        chain = self._chains.setdefault(seq.seq_id, _Chain())
-        while chain.num_blocks < seq.num_computed_tokens // self.block_size:
+        chain = self._chains.get(seq.seq_id)
+        if chain is None:  # not setdefault: it would build a _Chain on every call
+            chain = self._chains[seq.seq_id] = _Chain()
+        num_full = seq.num_computed_tokens // self.block_size
+        while chain.num_blocks < num_full:
             block = seq.block_table[chain.num_blocks]
             content = self._cached.get(block)
             if content is None:

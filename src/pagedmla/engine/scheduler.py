@@ -85,7 +85,9 @@ class Scheduler:
         uses_mqa: Callable[[int, int], bool] | None = None,
     ) -> None:
         """uses_mqa(query_len, context_len): whether an entry takes the decode path, so
-        that such entries are ordered first (the metadata builder's rule)."""
+        that such entries are ordered first (the metadata builder's rule). It must hold
+        for one token over a non-empty context (``uses_mqa(1, c)`` for ``c >= 1``), as it
+        does for every builder: decode-only steps are scheduled without asking it."""
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -123,6 +125,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Choose the next step's sequences and reserve cache blocks for their new tokens."""
+        batch = self._schedule_decodes()
+        if batch is not None:
+            return batch
         plan = _StepPlan(self.max_num_seqs, self.max_num_batched_tokens)
         preempted = False
         decodes = [seq for seq in self.running if seq.num_uncomputed == 1]
@@ -162,6 +167,34 @@ class Scheduler:
             needs_sample=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in entries],
         )
 
+    def _schedule_decodes(self) -> ScheduledBatch | None:
+        """The steady state in one pass, or None (nothing changed) when it does not apply.
+
+        Applies when every running sequence decodes one token over a non-empty context,
+        they all fit in the step, no waiting sequence could be admitted, and the free
+        blocks cover every sequence whose next token starts a new block. The general
+        path would then schedule the same: all of ``running`` in order, one token each,
+        no preemption, blocks allocated in the same order.
+        """
+        running = self.running
+        num_seqs = len(running)
+        room = min(self.max_num_seqs, self.max_num_batched_tokens)
+        if not running or num_seqs > room or (self.waiting and num_seqs < room):
+            return None
+        block_size = self.block_manager.block_size
+        starting_block: list[Sequence] = []
+        for seq in running:
+            computed = seq.num_computed_tokens
+            if computed == 0 or len(seq.token_ids) - computed != 1:
+                return None
+            if computed == len(seq.block_table) * block_size:
+                starting_block.append(seq)
+        if len(starting_block) > self.block_manager.num_free_blocks:
+            return None
+        for seq in starting_block:
+            self.block_manager.append_slots(seq, 1)
+        return ScheduledBatch(list(running), [1] * num_seqs, [True] * num_seqs)
+
     def postprocess(
         self, batch: ScheduledBatch, sampled: dict[int, tuple[int, dict[int, float]]]
     ) -> list[Sequence]:
@@ -171,21 +204,28 @@ class Scheduler:
         ``needs_sample``; other entries are ignored.
         """
         finished: list[Sequence] = []
+        manager = self.block_manager
+        block_size = manager.block_size
         for seq, num_new, needs_sample in zip(
             batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
         ):
-            seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq)
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            # commit registers the blocks filled since its last call, which follows every
+            # step: a one-token step that does not end on a block boundary has none.
+            if num_new > 1 or computed % block_size == 0:
+                manager.commit(seq)
             if not needs_sample:
                 continue
-            if seq.seq_id not in sampled:
+            entry = sampled.get(seq.seq_id)
+            if entry is None:
                 raise ValueError(f"sampled has no token for sequence {seq.seq_id}, which needs one")
-            token_id, logprobs = sampled[seq.seq_id]
+            token_id, logprobs = entry
             seq.append_token(token_id, logprobs)
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
-                self.block_manager.free(seq)
+                manager.free(seq)
                 self.running.remove(seq)
                 finished.append(seq)
         return finished
@@ -221,6 +261,6 @@ class Scheduler:
             return "stop"
         if params.stop_token_ids and token_id in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:  # output tokens
             return "length"
         return None
