@@ -180,6 +180,24 @@ def test_hash_collision_never_matches_different_content() -> None:
         assert manager.match_prefix(make_seq(4, [5, 5, 7])) == 0
 
 
+def test_block_tables_mirror_lists_through_growth_and_reuse() -> None:
+    """The int32 tables follow the lists while rows and columns grow and rows are reused."""
+    manager = BlockManager(num_blocks=400, block_size=2, enable_prefix_caching=False)
+    seqs = [make_seq(i, list(range(3 + 4 * i))) for i in range(12)]
+    for seq in seqs:
+        compute(manager, seq, seq.num_tokens)  # up to 24 blocks: past the first 8 columns
+    for seq in seqs[::3]:
+        manager.free(seq)  # their rows go back, zeroed, to be handed out again
+    reused = [make_seq(100 + i, [7] * (1 + i)) for i in range(4)]
+    for seq in reused:
+        compute(manager, seq, seq.num_tokens)
+    live = [s for s in seqs if s.block_table] + reused + [make_seq(200, [1])]
+    table = manager.block_tables(live)
+    assert table.dtype.name == "int32" and table.shape == (len(live), 24)
+    expected = [seq.block_table + [0] * (24 - len(seq.block_table)) for seq in live]
+    assert table.tolist() == expected
+
+
 def check_invariants(manager: BlockManager, live: list[Sequence], cache: dict[int, int]) -> None:
     """Block ownership, counts, and the contents a sequence reads back from the cache."""
     size = manager.block_size
@@ -203,6 +221,10 @@ def check_invariants(manager: BlockManager, live: list[Sequence], cache: dict[in
     for seq in live:
         cached = [cache.get(manager.slot(seq, p)) for p in range(seq.num_computed_tokens)]
         assert cached == seq.token_ids[: seq.num_computed_tokens], f"{seq!r} reads corrupt cache"
+    if live:
+        width = max(len(seq.block_table) for seq in live)
+        padded = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in live]
+        assert manager.block_tables(live).tolist() == padded, "the table mirror drifted"
 
 
 @pytest.mark.parametrize("hash_function", [block_manager_module.hash_block_tokens, constant_hash])

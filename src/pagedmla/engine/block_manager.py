@@ -12,12 +12,18 @@ reused), so a hash collision can cost a hit but never hand out wrong latents.
 A registered block whose last reference goes stays cached ("evictable"); it is
 reused for other content only when no plain free block is left, least recently
 freed first, and then its registration is dropped.
+
+Every block table is mirrored in a row of an int32 array, kept in step with the
+sequence's list, so that a step's [B, width] table is one numpy gather
+(`block_tables`) instead of B list conversions.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from pagedmla.engine.sequence import Sequence
 
@@ -69,6 +75,13 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # block hash -> block id
         self._chains: dict[int, _Chain] = {}  # seq_id -> prefix-caching progress
         self._next_content_id = _ROOT_CONTENT_ID + 1
+        # Block table mirror: row r holds a sequence's blocks, zero padded (null block),
+        # _table_lens[r] how many. Row 0 stays empty: the row of a sequence without
+        # blocks. Rows and columns double when they run out.
+        self._tables = np.zeros((8, 8), dtype=np.int32)
+        self._table_lens = np.zeros(8, dtype=np.int64)
+        self._row_of: dict[int, int] = {}  # seq_id -> its row in _tables
+        self._spare_rows = list(range(7, 0, -1))  # pop() hands out the lowest row first
 
     @property
     def num_usable_blocks(self) -> int:
@@ -102,6 +115,7 @@ class BlockManager:
         chain = _Chain()
         self._chains[seq.seq_id] = chain
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        matched: list[int] = []
         for index in range(max_blocks):
             tokens = self._block_tokens(seq, index)
             block_hash = hash_block_tokens(chain.last_hash, tokens)
@@ -111,8 +125,9 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
-            seq.block_table.append(block)
+            matched.append(block)
             self._advance(chain, self._cached[block])
+        self._extend_table(seq, matched)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
@@ -128,8 +143,7 @@ class BlockManager:
                 f"out of cache blocks: {seq!r} needs {missing} more for {num_new_tokens} new "
                 f"tokens, {self.num_free_blocks} free (call can_append first)"
             )
-        for _ in range(missing):
-            seq.block_table.append(self._allocate())
+        self._extend_table(seq, [self._allocate() for _ in range(missing)])
 
     def commit(self, seq: Sequence) -> None:
         """Register every block of ``seq`` now full of computed tokens, for later reuse."""
@@ -170,11 +184,50 @@ class BlockManager:
                     self._free.append(block)
         seq.block_table = []
         self._chains.pop(seq.seq_id, None)
+        row = self._row_of.pop(seq.seq_id, None)
+        if row is not None:
+            self._tables[row, : self._table_lens[row]] = 0
+            self._table_lens[row] = 0
+            self._spare_rows.append(row)
+
+    def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """The block tables of ``seqs`` as a new int32 array [len(seqs), longest table]:
+        row i is ``seqs[i].block_table`` padded with the null block 0."""
+        rows = np.array([self._row_of.get(seq.seq_id, 0) for seq in seqs], dtype=np.intp)
+        width = int(self._table_lens[rows].max())
+        return self._tables[rows, :width]
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat cache slot of token ``position`` of ``seq``."""
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
+
+    def _extend_table(self, seq: Sequence, blocks: list[int]) -> None:
+        """Append ``blocks`` to ``seq.block_table`` and to its row of the mirror."""
+        if not blocks:
+            return
+        row = self._row_of.get(seq.seq_id)
+        if row is None:
+            if not self._spare_rows:
+                self._resize_tables(2 * self._tables.shape[0], self._tables.shape[1])
+            row = self._row_of[seq.seq_id] = self._spare_rows.pop()
+        start = len(seq.block_table)
+        seq.block_table += blocks
+        end = len(seq.block_table)
+        if end > self._tables.shape[1]:
+            self._resize_tables(self._tables.shape[0], max(end, 2 * self._tables.shape[1]))
+        self._tables[row, start:end] = blocks
+        self._table_lens[row] = end
+
+    def _resize_tables(self, num_rows: int, num_columns: int) -> None:
+        """Grow the mirror to [num_rows, num_columns]; new rows become spare."""
+        old_rows, old_columns = self._tables.shape
+        tables = np.zeros((num_rows, num_columns), dtype=np.int32)
+        tables[:old_rows, :old_columns] = self._tables
+        lens = np.zeros(num_rows, dtype=np.int64)
+        lens[:old_rows] = self._table_lens
+        self._tables, self._table_lens = tables, lens
+        self._spare_rows.extend(range(num_rows - 1, old_rows - 1, -1))
 
     def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -37,50 +39,52 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
         """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec.
 
-        Runs every step for every sequence, so it sticks to list and numpy operations
-        (a torch tensor per row would cost more than the rest of the step's bookkeeping).
+        Runs every step for every sequence, so the only per-sequence Python is reading
+        its counters and token ids; the block table comes from the block manager's
+        int32 mirror and positions and slots are computed with numpy over all T tokens.
         """
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        block_size = self.block_manager.block_size
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            token_ids += seq.token_ids[start:end]
-            span = range(start, end)
-            positions += span
-            blocks = seq.block_table
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in span]
-            seq_lens.append(end)
-        width = max(len(seq.block_table) for seq in batch.seqs)
+        seqs = batch.seqs
+        num_new = batch.num_new_tokens
+        starts = [seq.num_computed_tokens for seq in seqs]
+        num_seqs = len(seqs)
+        if len(num_new) != num_seqs:
+            raise ValueError(f"{num_seqs} sequences but {len(num_new)} num_new_tokens")
         # Block 0 is the null block: padding entries point at it and are never read.
-        table = np.zeros((len(batch.seqs), width), dtype=np.int32)
-        for row, seq in enumerate(batch.seqs):
-            table[row, : len(seq.block_table)] = seq.block_table
+        table = self.block_manager.block_tables(seqs)
+        num_tokens = sum(num_new)
+        if num_tokens == num_seqs:  # one token each (decodes): no ranges to expand
+            token_ids = [seq.token_ids[start] for seq, start in zip(seqs, starts)]
+            positions = np.array(starts, dtype=np.int64)
+            token_rows = np.arange(num_seqs)
+        else:
+            token_ids = []
+            for seq, start, n in zip(seqs, starts, num_new):
+                token_ids += seq.token_ids[start : start + n]
+            counts = np.array(num_new, dtype=np.int64)
+            token_rows = np.repeat(np.arange(num_seqs), counts)
+            # Entry b's tokens sit at batch offsets first[b] .. and positions starts[b] ..
+            first = np.cumsum(counts) - counts
+            offsets = np.array(starts, dtype=np.int64) - first
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(offsets, counts)
+        block_size = self.block_manager.block_size
+        blocks = table[token_rows, positions // block_size].astype(np.int64)
         spec = BatchSpec(
-            query_lens=list(batch.num_new_tokens),
-            seq_lens=seq_lens,
+            query_lens=list(num_new),
+            seq_lens=[start + n for start, n in zip(starts, num_new)],
             block_table=torch.from_numpy(table),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=torch.from_numpy(blocks * block_size + positions % block_size),
         )
         return (
-            torch.tensor(token_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
+            torch.from_numpy(np.array(token_ids, dtype=np.int64)),
+            torch.from_numpy(positions),
             spec,
         )
 
     @staticmethod
     def sample_rows(batch: ScheduledBatch) -> list[int]:
         """Token rows whose logits are sampled: the last row of each entry that needs one."""
-        last_rows = []
-        end = 0
-        for num_new, needs_sample in zip(batch.num_new_tokens, batch.needs_sample, strict=True):
-            end += num_new
-            if needs_sample:
-                last_rows.append(end - 1)
-        return last_rows
+        ends = itertools.accumulate(batch.num_new_tokens)
+        return [end - 1 for end, needs in zip(ends, batch.needs_sample, strict=True) if needs]
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward one step; returns logits [S, vocab] float32 for the S sequences to sample."""
