@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pagedmla import LLM, SamplingParams
-from pagedmla.engine.cuda_graph import capture_sizes
+from pagedmla.engine.cuda_graph import GraphInputs, capture_sizes
+from pagedmla.metadata import BatchSpec
 from pagedmla.models.loader import load_model
 
 
@@ -20,6 +21,41 @@ def test_capture_sizes_cover_every_batch() -> None:
     sizes = capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
     assert all(any(s >= b for s in sizes) for b in range(1, 257))
+
+
+def _decode_spec(table: list[list[int]], slots: list[int], seq_lens: list[int]) -> BatchSpec:
+    return BatchSpec([1] * len(slots), seq_lens, torch.tensor(table, dtype=torch.int32),
+                     torch.tensor(slots, dtype=torch.int64))
+
+
+def test_graph_inputs_stage_pads_and_checks() -> None:
+    """Staged rows hold the step, padding rows nothing, and nothing of an earlier step."""
+    inputs = GraphInputs(max_rows=8, max_blocks=5, num_slots=64, num_blocks=16,
+                         device=torch.device("cpu"))
+    index = inputs.stage(4, torch.tensor([11, 12, 13]), torch.tensor([5, 6, 7]),
+                         _decode_spec([[1, 2], [3, 4], [5, 6]], [21, 29, 38], [6, 7, 8]), [0, 2])
+    assert index.tolist() == [0, 2]
+    assert inputs.token_ids[:4].tolist() == [11, 12, 13, 0]
+    assert inputs.positions[:4].tolist() == [5, 6, 7, 0]
+    assert inputs.slot_mapping[:4].tolist() == [21, 29, 38, -1]
+    assert inputs.seq_lens[:4].tolist() == [6, 7, 8, 0]
+    assert inputs.block_table[:4].tolist() == [[1, 2, 0, 0, 0], [3, 4, 0, 0, 0],
+                                               [5, 6, 0, 0, 0], [0] * 5]
+    assert inputs.query_start_loc.tolist() == list(range(9))
+    index = inputs.stage(2, torch.tensor([9]), torch.tensor([2]),
+                         _decode_spec([[7]], [28], [3]), [0])
+    assert index.tolist() == [0]
+    assert inputs.token_ids[:2].tolist() == [9, 0]
+    assert inputs.slot_mapping[:2].tolist() == [28, -1]
+    assert inputs.seq_lens[:2].tolist() == [3, 0]
+    assert inputs.block_table[:2].tolist() == [[7, 0, 0, 0, 0], [0] * 5]
+    one = (torch.tensor([1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="slot"):
+        inputs.stage(1, *one, _decode_spec([[1]], [64], [2]), [0])
+    with pytest.raises(ValueError, match="blocks"):
+        inputs.stage(1, *one, _decode_spec([[16]], [5], [2]), [0])
+    with pytest.raises(ValueError, match="columns"):
+        inputs.stage(1, *one, _decode_spec([[1] * 6], [5], [2]), [0])
 
 
 def test_capturable_moe_matches_grouped_dispatch() -> None:

@@ -10,6 +10,8 @@ with short contexts stays correct and fast when replayed with long ones.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from pagedmla.cache import LatentKVCache
@@ -25,16 +27,43 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def _padded_rows(max_rows: int) -> int:
+    """Entries per array in the GraphInputs buffer: max_rows rounded up to a multiple of
+    4, so that every array starts 16-byte aligned (what the kernels are tuned for)."""
+    return -(-max_rows // 4) * 4
+
+
+def _input_words(max_rows: int, rows: int, max_blocks: int) -> int:
+    """int64 words of the GraphInputs layout up to the end of table row `rows`."""
+    padded = _padded_rows(max_rows)
+    return 4 * padded + padded // 2 + (rows * max_blocks + 1) // 2
+
+
+def _input_views(buffer: torch.Tensor, max_rows: int, max_blocks: int) -> list[torch.Tensor]:
+    """The graph inputs as views of an int64 `buffer` laid out by GraphInputs: token_ids,
+    positions, slot_mapping, sample_index int64 [max_rows]; seq_lens int32 [max_rows];
+    block_table int32 [max_rows, max_blocks], last, so that a step copies only the rows
+    its graph reads."""
+    padded = _padded_rows(max_rows)
+    views = [buffer[i * padded : i * padded + max_rows] for i in range(4)]
+    narrow = buffer[4 * padded :].view(torch.int32)
+    views.append(narrow[:max_rows])
+    views.append(narrow[padded : padded + max_rows * max_blocks].view(max_rows, max_blocks))
+    return views
+
+
 class GraphInputs:
     """The static input buffers of captured decode steps and their per-step staging.
 
-    Buffers for up to `max_rows` rows on `device`: token_ids, positions and slot_mapping
-    int64 [max_rows], seq_lens int32 [max_rows], block_table int32 [max_rows, max_blocks]
-    and query_start_loc int32 [max_rows + 1] (0, 1, .., max_rows: one token per row).
-    `stage` writes a step's host inputs into the first rows of a graph's size; slots and
-    block ids are checked against a cache of `num_slots` slots in `num_blocks` blocks,
-    since a replayed graph writes and reads wherever they point. On the CPU (no graphs)
-    it runs the same bookkeeping, which is what the host benchmark times.
+    Buffers for up to `max_rows` rows on `device`: token_ids, positions, slot_mapping
+    and sample_index int64 [max_rows], seq_lens int32 [max_rows] and block_table int32
+    [max_rows, max_blocks], all views of one device buffer, and query_start_loc int32
+    [max_rows + 1] (0, 1, .., max_rows: one token per row). `stage` fills a host twin of
+    that buffer (pinned on CUDA) with numpy and moves it in one copy, rather than a
+    copy or a fill per tensor. Slots and block ids are checked against a cache of
+    `num_slots` slots in `num_blocks` blocks, since a replayed graph writes and reads
+    wherever they point. On the CPU (no graphs) it does the same bookkeeping, which is
+    what the host benchmark times.
     """
 
     def __init__(
@@ -43,13 +72,26 @@ class GraphInputs:
     ) -> None:
         self.num_slots = num_slots
         self.num_blocks = num_blocks
-        self.device = device
-        self.token_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        # int64 words (not bytes): few elements, so a CPU copy stays one serial memcpy.
+        size = _input_words(max_rows, max_rows, max_blocks)
+        self._device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        (self.token_ids, self.positions, self.slot_mapping, self.sample_index, self.seq_lens,
+         self.block_table) = _input_views(self._device_buffer, max_rows, max_blocks)
+        self._host_buffer = torch.zeros(size, dtype=torch.int64,
+                                        pin_memory=device.type == "cuda")
+        (self._host_token_ids, self._host_positions, self._host_slots, self._host_sample_index,
+         self._host_seq_lens, self._host_table) = (
+            view.numpy() for view in _input_views(self._host_buffer, max_rows, max_blocks)
+        )
+        # Until a step writes them, rows write nothing (capture runs on these values).
+        self.slot_mapping.fill_(-1)
+        self._host_slots.fill(-1)
         self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+        # Recorded after each copy: the host buffer is rewritten only once it has been read.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._table_used = (0, 0)  # rows and columns of the host table the last step wrote
 
     def stage(
         self,
@@ -60,30 +102,41 @@ class GraphInputs:
         sample_rows: list[int],
     ) -> torch.Tensor:
         """Write B <= rows single-token requests (host token_ids [B], positions [B], spec)
-        into the first `rows` rows, padding the rest; returns sample_rows as an int64
-        index [S] on the device."""
+        into the first `rows` rows, padding the rest (token 0, position 0, slot -1, seq_len
+        0, null blocks); returns sample_rows as an int64 index [S] on the device."""
         batch = token_ids.shape[0]
-        table = spec.block_table
-        if table.shape[1] > self.block_table.shape[1]:
+        table = spec.block_table.numpy()
+        slots = spec.slot_mapping.numpy()
+        width = table.shape[1]
+        if width > self.max_blocks:
             raise ValueError(
-                f"block_table has {table.shape[1]} columns, the graphs hold "
-                f"{self.block_table.shape[1]}"
+                f"block_table has {width} columns, the graphs hold {self.max_blocks}"
             )
-        if int(spec.slot_mapping.max()) >= self.num_slots:
+        if slots.max() >= self.num_slots:
             raise ValueError(f"slot_mapping exceeds the cache's {self.num_slots} slots")
-        if int(table.max()) >= self.num_blocks:
+        if table.max() >= self.num_blocks:
             raise ValueError(f"block_table exceeds the cache's {self.num_blocks} blocks")
-        self.token_ids[:batch].copy_(token_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(spec.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:rows].fill_(-1)
-        self.block_table[:batch, : table.shape[1]].copy_(table, non_blocking=True)
-        self.block_table[:batch, table.shape[1] :].zero_()
-        self.block_table[batch:rows].zero_()
-        seq_lens = torch.tensor(spec.seq_lens, dtype=torch.int32)
-        self.seq_lens[:batch].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[batch:rows].zero_()
-        return torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._host_token_ids[:batch] = token_ids.numpy()
+        self._host_token_ids[batch:rows] = 0
+        self._host_positions[:batch] = positions.numpy()
+        self._host_positions[batch:rows] = 0
+        self._host_slots[:batch] = slots
+        self._host_slots[batch:rows] = -1
+        self._host_seq_lens[:batch] = spec.seq_lens
+        self._host_seq_lens[batch:rows] = 0
+        self._host_sample_index[: len(sample_rows)] = sample_rows
+        # Outside what the last step wrote the host table is all null blocks.
+        used_rows, used_width = self._table_used
+        self._host_table[:used_rows, :used_width] = 0
+        self._host_table[:batch, :width] = table
+        self._table_used = (batch, width)
+        end = _input_words(self.max_rows, rows, self.max_blocks)
+        self._device_buffer[:end].copy_(self._host_buffer[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self._device_buffer.device))
+        return self.sample_index[: len(sample_rows)]
 
 
 class DecodeGraphs:
@@ -165,7 +218,7 @@ class DecodeGraphs:
         sample_rows: list[int],
     ) -> torch.Tensor:
         """Replay a decode step of B <= max_batch single-token requests (host inputs)."""
-        rows = next(size for size in self.sizes if size >= token_ids.shape[0])
+        rows = self.sizes[bisect.bisect_left(self.sizes, token_ids.shape[0])]
         index = self.inputs.stage(rows, token_ids, positions, spec, sample_rows)
         graph, logits = self.graphs[rows]
         graph.replay()
