@@ -3,9 +3,10 @@
 Writes a random-weight DeepSeek checkpoint (V2-Lite attention: 16 heads, L 512, R 64,
 P 128, V 128; dense MLPs so that MoE dispatch does not dominate), fills the engine
 with `--batch` requests and times decode-only steps. Host time: scheduling, inputs,
-metadata (eager) or graph input staging, kernel launches (eager) and bookkeeping, i.e.
-everything but waiting for the device; step time: all of it to a device sync. Eager
-and CUDA-graph engines run in the same process.
+metadata (eager) or graph input staging, kernel launches (eager), and after the sampled
+tokens arrive, their map and the bookkeeping; i.e. everything but launching the sampler
+and waiting for the device; step time: all of it to a device sync. Eager and CUDA-graph
+engines run in the same process.
 
     python3 benchmarks/bench_engine.py --out engine.json
 """
@@ -55,14 +56,15 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
         launched = time.perf_counter()  # execute only enqueues: its wall time is host work
         seqs = [s for s, need in zip(scheduled.seqs, scheduled.needs_sample, strict=True) if need]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [None] * len(seqs))
-        sampled = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, tokens.tolist(), logprobs,
+        token_list = tokens.tolist()  # waits for the device: the one blocking call
+        synced = time.perf_counter()
+        sampled = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, token_list, logprobs,
                                                           strict=True)}
-        before_post = time.perf_counter()
         llm.scheduler.postprocess(scheduled, sampled)
         torch.cuda.synchronize()
         end = time.perf_counter()
         if all(n == 1 for n in scheduled.num_new_tokens) and len(scheduled.seqs) == batch:
-            host.append((launched - start) + (end - before_post))
+            host.append((launched - start) + (end - synced))
             total.append(end - start)
     for seq in list(llm.scheduler.running):
         llm.block_manager.free(seq)
