@@ -5,8 +5,12 @@ P 128, V 128; dense MLPs so that MoE dispatch does not dominate), fills the engi
 with `--batch` requests and times decode-only steps. Host time: scheduling, inputs,
 metadata (eager) or graph input staging, kernel launches (eager), and after the sampled
 tokens arrive, their map and the bookkeeping; i.e. everything but launching the sampler
-and waiting for the device; step time: all of it to a device sync. Eager and CUDA-graph
-engines run in the same process.
+and waiting for the device; step time: all of it to a device sync. Part of the host
+time overlaps the device (a graph replay's launch runs while its first kernels do), so
+the step is also split by CUDA events: the device span from the first enqueue to the
+sampler's end, and the GPU idle time (step minus span: scheduling, input preparation
+and bookkeeping that nothing overlaps). Eager and CUDA-graph engines run in the same
+process.
 
     python3 benchmarks/bench_engine.py --out engine.json
 """
@@ -45,17 +49,20 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
     for i in range(batch):
         ids = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
         llm.scheduler.add(Sequence(10_000 + i, ids, params))
-    host, total = [], []
+    host, total, device = [], [], []
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while llm.scheduler.has_unfinished() and len(total) < steps:
         torch.cuda.synchronize()
         start = time.perf_counter()
         scheduled = llm.scheduler.schedule()
         token_ids, positions, spec = llm.runner.prepare(scheduled)
         rows = llm.runner.sample_rows(scheduled)
+        first.record()
         logits = llm.runner.execute(token_ids, positions, spec, rows)
         launched = time.perf_counter()  # execute only enqueues: its wall time is host work
         seqs = [s for s, need in zip(scheduled.seqs, scheduled.needs_sample, strict=True) if need]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [None] * len(seqs))
+        last.record()
         token_list = tokens.tolist()  # waits for the device: the one blocking call
         synced = time.perf_counter()
         sampled = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, token_list, logprobs,
@@ -66,14 +73,17 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
         if all(n == 1 for n in scheduled.num_new_tokens) and len(scheduled.seqs) == batch:
             host.append((launched - start) + (end - synced))
             total.append(end - start)
+            device.append(first.elapsed_time(last) / 1e3)
     for seq in list(llm.scheduler.running):
         llm.block_manager.free(seq)
     llm.scheduler.running.clear()
     llm.scheduler.waiting.clear()
     step = statistics.median(total)
     host_s = statistics.median(host)
+    idle = statistics.median(t - d for t, d in zip(total, device, strict=True))
     return {"step_ms": step * 1e3, "host_ms": host_s * 1e3, "host_share": host_s / step,
-            "decode_steps": len(total), "tokens_per_s": batch / step}
+            "device_span_ms": statistics.median(device) * 1e3, "idle_ms": idle * 1e3,
+            "idle_share": idle / step, "decode_steps": len(total), "tokens_per_s": batch / step}
 
 
 def main() -> None:
@@ -102,10 +112,12 @@ def main() -> None:
         json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
           f"{args.layers} layers, {results['gpu']}")
-    print("| mode | step ms | host ms | host share | tok/s |\n|---|---:|---:|---:|---:|")
+    print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
+          "| tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results["runs"].items():
         print(f"| {mode} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
-              f"{100 * r['host_share']:.1f}% | {r['tokens_per_s']:.0f} |")
+              f"{100 * r['host_share']:.1f}% | {r['device_span_ms']:.2f} | {r['idle_ms']:.2f} | "
+              f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} |")
 
 
 if __name__ == "__main__":
