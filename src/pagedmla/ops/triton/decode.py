@@ -5,10 +5,13 @@ takes BLOCK_H query rows of one request (row r is token r // N, head r % N) and 
 slice of its positions. Each [BLOCK_N, L + R] tile of cache rows is loaded once and
 used by every row of the program: as keys (all L + R columns) and, its first L
 columns, as values. That sharing across heads is what makes MQA decode cheap in bytes.
-The tile's rows come through the block table one position at a time, so any page size
-works. Online softmax (base 2) accumulates [BLOCK_H, L] in float32. With few heads
-per program the products are computed transposed (SWAP_AB: positions fill the 64-row
-MMA of Hopper's wgmma instead of padding 16 heads to 64 rows).
+When a tile lies inside one page (page size a multiple of BLOCK_N) it is copied in bulk
+by the tensor copy engine (TMA): one block-table lookup per tile, the rows landing in
+shared memory where the MMAs read them. Other page sizes (1..128) gather the rows
+through the block table one position at a time. L is handled as two halves (the copy
+engine's boxes are at most 256 wide). Online softmax (base 2) accumulates [BLOCK_H, L]
+in float32. With few heads per program the products are computed transposed (SWAP_AB:
+positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 64 rows).
 
 Stage 2 (`_decode_combine_kernel`) folds the splits of each (token, head) by
 log-sum-exp, all splits of a column block in one load. With one split, stage 1 writes
@@ -489,14 +492,15 @@ def _page_descriptors(
     """Tensor descriptors for bulk tile copies, or None where the layout rules them out.
 
     Tiles must stay inside one page (page size a multiple of block_n), the latent must
-    split into two power-of-two halves, and the copy engine needs 16-byte aligned base
-    and row stride. The cache is viewed as [pages x page_size, L + R] rows.
+    split into two power-of-two halves, the copy engine needs 16-byte aligned base and
+    row stride, and row coordinates are int32. The cache is viewed as [pages x
+    page_size, L + R] rows.
     """
     num_blocks, page, width = data.shape
     row_bytes = data.stride(1) * data.element_size()
     if (page % block_n or 2 * half_l != L or half_l > 256 or block_r > 256
             or data.stride(0) != page * data.stride(1) or row_bytes % 16
-            or data.data_ptr() % 16):
+            or data.data_ptr() % 16 or num_blocks * page >= 2**31):  # int32 row coordinates
         return None
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
