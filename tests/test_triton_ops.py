@@ -65,6 +65,7 @@ from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
     MAX_SPLITS,
     DecodeConfig,
+    _page_descriptors,
     pick_config,
     plan_num_splits,
 )
@@ -153,7 +154,8 @@ def _decode_case(
 def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
     _poison_allocator(str(args[0].device))
     out, lse = mla_decode(*args, **kwargs)
-    want_out, want_lse = ref.mla_decode(*args)
+    # (The reference views the cache as rows: give it a contiguous copy.)
+    want_out, want_lse = ref.mla_decode(args[0], args[1].contiguous(), *args[2:])
     assert out.shape == want_out.shape and out.dtype == want_out.dtype
     assert lse.shape == want_lse.shape and lse.dtype == torch.float32
     assert not out.isnan().any() and not lse.isnan().any()
@@ -227,6 +229,28 @@ def test_decode_nope_and_odd_widths(config: DecodeConfig) -> None:
     _check_decode(args, torch.float32, config=config, num_splits=2)
     args = _decode_case([1, 2], [20, 33], 3, 40, 8, 1, torch.float32, torch.float32, seed=51)
     _check_decode(args, torch.float32, config=config, num_splits=2)
+
+
+@runnable
+@pytest.mark.parametrize("layout", ["padded-rows", "every-other-block"])
+def test_decode_strided_cache_layouts(layout: str) -> None:
+    # The cache as a view: rows padded to a wider buffer (pages still contiguous: bulk
+    # copies with a row stride) or every other block of a bigger one (pages not adjacent
+    # in rows: the descriptors are refused and the row gather runs). Same answers.
+    args = list(_decode_case([1, 2], [40, 75], 4, 32, 16, 16, torch.float32, torch.float32,
+                             seed=65))
+    data = args[1]
+    if layout == "padded-rows":
+        wide = torch.full((*data.shape[:2], data.shape[2] + 16), math.nan, device=data.device)
+        wide[..., :data.shape[2]] = data
+        args[1] = wide[..., :data.shape[2]]
+    else:
+        spread = torch.full((2 * data.shape[0], *data.shape[1:]), math.nan, device=data.device)
+        spread[::2] = data
+        args[1] = spread[::2]
+    assert (_page_descriptors(args[1], 16, 16, 16, 32) is None) == (
+        layout == "every-other-block")
+    _check_decode(tuple(args), torch.float32, config=TINY_DECODE, num_splits=2)
 
 
 @runnable
