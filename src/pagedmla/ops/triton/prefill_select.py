@@ -20,8 +20,14 @@ import torch
 from pagedmla.ops.triton.prefill import varlen_attention as triton_varlen_attention
 
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
-# (qk dim, v dim, dtype) that cuDNN refused once: not asked again.
-_REFUSED: set[tuple[int, int, torch.dtype]] = set()
+# Input kinds cuDNN refused once (see `_kind`): not asked again.
+_REFUSED: set[tuple] = set()
+
+
+def _kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What cuDNN's support depends on: dtype, head dims and layouts. For [T, N, D]
+    tensors the strides do not depend on T, so one refusal covers every such call."""
+    return (q.dtype, q.shape[-1], v.shape[-1], q.stride(), k.stride(), v.stride())
 
 
 def _takes_cudnn(
@@ -42,7 +48,7 @@ def _takes_cudnn(
         and num_seqs * max_seqlen_k == k.shape[0]
         and (not causal or max_seqlen_q == max_seqlen_k)
         and softmax_scale > 0
-        and (q.shape[-1], v.shape[-1], q.dtype) not in _REFUSED
+        and _kind(q, k, v) not in _REFUSED
     )
 
 
@@ -81,10 +87,11 @@ def varlen_attention(
     the same lengths (see the module docstring), else on the Triton kernel."""
     num_seqs = cu_seqlens_q.shape[0] - 1
     if _takes_cudnn(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        key = (q.shape[-1], v.shape[-1], q.dtype)
         try:
             return _cudnn_dense(q, k, v, num_seqs, softmax_scale, causal)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:  # a head dim or layout this cuDNN build does not take
-            _REFUSED.add(key)
+            _REFUSED.add(_kind(q, k, v))
     return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale, causal)
