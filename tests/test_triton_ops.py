@@ -486,6 +486,26 @@ def test_prefill_selection(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
     assert bool(calls) == on_cudnn
 
 
+@cuda
+def test_prefill_selection_falls_back_when_cudnn_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cuDNN refusal (RuntimeError) sends the call, and later calls of the same kind,
+    # to the Triton kernel; the answer stays right.
+    from pagedmla.ops.triton import prefill_select
+
+    calls: list[int] = []
+
+    def refuse(*args: object) -> None:
+        calls.append(1)
+        raise RuntimeError("unsupported")
+
+    monkeypatch.setattr(prefill_select, "_cudnn_dense", refuse)
+    monkeypatch.setattr(prefill_select, "_REFUSED", set())
+    for seed in (136, 137):
+        _check_varlen([64, 64], [64, 64], 4, 192, 128, torch.bfloat16, True, seed=seed,
+                      device="cuda", fn=prefill_attention)
+    assert len(calls) == 1 and len(prefill_select._REFUSED) == 1
+
+
 @runnable
 def test_varlen_causal_fewer_keys_than_queries() -> None:
     # Bottom-right alignment with q_len > k_len: the first queries see no key at all.
