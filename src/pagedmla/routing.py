@@ -13,10 +13,11 @@ The up-projection is paid per key whatever q is, while MQA pays (2L + R) per que
 key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
 (~170 for DeepSeek shapes at equal efficiency) whatever the context: short chunked
 prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
-the rate the path's kernels reach on an H200. Checked against a measurement there
+an effective rate of the path on an H200, fitted to a measurement there
 (benchmarks/bench_routing.py, docs/PERFORMANCE.md): the model predicts a crossover of
-~100 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with 23 of 24
-measured path choices; the measured crossover lies between 64 and 128 tokens.
+128-130 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with all 24
+measured path choices; measured, MQA is faster at q = 128 and MHA at q = 256 in all
+four.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ from pagedmla.dims import MLADims
 class PathCostModel:
     """Rates the paths' kernels reach (TFLOP/s, TB/s) and the MQA kernel's row grouping.
 
-    Defaults: the Triton kernels on an H200 (decode ~230 TFLOP/s when compute-bound and
-    ~2 TB/s when memory-bound; prefill attention ~450 TFLOP/s; cuBLAS up-projection
-    ~600 TFLOP/s; HBM ~4 TB/s).
+    Defaults: the triton backend on an H200, whole-layer rates fitted to the measured
+    path times (decode kernel alone: ~280 TFLOP/s compute-bound, ~3.2 TB/s memory-bound;
+    the fit, with launch and absorption overheads, 260 and 2.5; prefill attention ~450
+    TFLOP/s; up-projection 500 TFLOP/s; HBM ~4 TB/s).
     """
 
-    mqa_tflops: float = 230.0
-    mqa_tbps: float = 2.0
+    mqa_tflops: float = 260.0
+    mqa_tbps: float = 2.5
     mha_tflops: float = 450.0
-    matmul_tflops: float = 600.0
+    matmul_tflops: float = 500.0
     hbm_tbps: float = 4.0
     rows_per_program: int = 64
     element_bytes: int = 2
