@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import subprocess
@@ -29,12 +30,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
 from pagedmla.ops import reference as ref
+from pagedmla.ops import triton as triton_ops
 from pagedmla.ops.triton import (
     gather_cache,
     merge_attn_states,
@@ -646,6 +649,15 @@ def write_plots(report: dict, directory: str) -> list[str]:
     return paths
 
 
+def kernel_sources_digest() -> str:
+    """sha256 over the Triton backend's source files, in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(triton_ops.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write results as JSON here")
@@ -682,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
                                           check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         report["commit"] = "unknown"
+    # The git metadata of a copied tree can lag its files: the kernels' own content
+    # identifies what was measured (compare with `kernel_sources_digest()` of a commit).
+    report["kernel_sources_sha256"] = kernel_sources_digest()
     if not args.skip_check:
         log = check_all()
         print("\n".join(log), flush=True)
