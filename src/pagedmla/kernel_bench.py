@@ -460,20 +460,16 @@ def sweep_decode_configs() -> list[dict]:
     from pagedmla.ops.triton.decode import _decode_partial_kernel
 
     rows = []
-    # regime: (shapes, variants as (block_n, warps, stages, swap_ab, paged, block_h)); the
-    # first variant is the current config, the one the others must agree with.
+    # regime: (shapes, variants as (block_n, warps, stages, swap_ab, paged, block_h,
+    # prefetch)); the first variant is the one the others must agree with.
     cases = {
-        "rows16": ([(128, 16, 8192), (1, 16, 131072), (64, 16, 2048)],
-                   [(64, 4, 2, True, True, 16), (64, 8, 2, True, True, 16),
-                    (64, 4, 3, True, False, 16), (64, 8, 2, False, True, 16)]),
-        "rows16-fp8": ([(128, 16, 8192), (1, 16, 131072)],
-                       [(64, 8, 2, False, True, 16), (64, 8, 2, False, False, 16),
-                        (64, 4, 2, True, True, 16), (64, 4, 2, False, True, 16)]),
-        "rows32": ([(128, 32, 8192)], [(64, 8, 2, True, True, 32), (64, 4, 2, True, True, 32)]),
-        "rows64": ([(64, 128, 4096), (1, 128, 65536), (128, 128, 8192)],
-                   [(64, 8, 2, False, True, 64), (64, 8, 3, False, False, 64)]),
-        "rows64-fp8": ([(64, 128, 4096), (1, 128, 65536)],
-                       [(64, 8, 2, False, True, 64), (64, 8, 2, False, False, 64)]),
+        "rows16": ([(128, 16, 8192), (64, 16, 2048), (1, 16, 131072)],
+                   [(64, 4, 2, True, True, 16, 0), (64, 4, 2, True, True, 16, 1),
+                    (64, 4, 2, True, True, 16, 2), (64, 4, 2, True, True, 16, 3)]),
+        "rows16-fp8": ([(128, 16, 8192)],
+                       [(64, 8, 2, False, True, 16, 0), (64, 8, 2, False, True, 16, 2)]),
+        "rows64": ([(64, 128, 4096)],
+                   [(64, 8, 2, False, True, 64, 0), (64, 8, 2, False, True, 64, 2)]),
     }
     for key, (shapes, variants) in cases.items():
         base = DECODE_CONFIGS[key]
@@ -483,9 +479,10 @@ def sweep_decode_configs() -> list[dict]:
                 nbytes, flops = decode_cost(batch, heads, context, 1, args[1].element_size())
                 found = []
                 first = None
-                for block_n, warps, stages, swap, paged, block_h in variants:
+                for block_n, warps, stages, swap, paged, block_h, prefetch in variants:
                     cfg = replace(base, block_n=block_n, num_warps=warps, num_stages=stages,
-                                  swap_ab=swap, paged=paged, block_h=block_h)
+                                  swap_ab=swap, paged=paged, block_h=block_h,
+                                  prefetch=prefetch)
                     try:
                         # Every variant must agree with the first (a cheap sanity check).
                         got = mla_decode(*args, config=cfg)[0]
@@ -503,13 +500,13 @@ def sweep_decode_configs() -> list[dict]:
                     row = {"regime": key, "cache": str(cache), "B": batch, "N": heads,
                            "context": context, "block_n": block_n, "warps": warps,
                            "stages": stages, "swap_ab": swap, "paged": paged,
-                           "block_h": block_h, "us": us,
+                           "block_h": block_h, "prefetch": prefetch, "us": us,
                            "tbps": nbytes / us / 1e6,
                            "tflops": flops / us / 1e6,
                            "stats": _last_compiled(_decode_partial_kernel)}
                     found.append(row)
                     print(f"  {key} {cache} B={batch} N={heads} ctx={context} h={block_h} "
-                          f"n={block_n} "
+                          f"n={block_n} pf={prefetch} "
                           f"w={warps} s={stages} swap={swap} paged={paged}: {us:.1f} us "
                           f"{row['tbps']:.2f} TB/s "
                           f"{row['tflops']:.0f} TFLOP/s {row['stats']}", flush=True)

@@ -38,12 +38,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton._utils import (
+    INTERPRETED,
     cdiv,
     check_device,
     dot_precision,
     last_dim_contiguous,
     multiprocessor_count,
     next_pow2,
+    split_pow2,
 )
 
 MAX_SPLITS = 128  # bounds the combine's [splits, columns] tile
@@ -61,7 +63,8 @@ class DecodeConfig:
     the split planner; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
     MMA's M dimension), which suits few heads per program (see the kernel); paged: copy
     whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
-    allow (see `_page_descriptors`), else gather rows through the block table.
+    allow (see `_page_descriptors`), else gather rows through the block table; prefetch:
+    with bulk copies on a GPU, ask L2 for the tile this many tiles ahead (0: off).
     """
 
     block_h: int
@@ -72,6 +75,7 @@ class DecodeConfig:
     programs_per_sm: int
     swap_ab: bool = False
     paged: bool = True
+    prefetch: int = 0
 
 
 # Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
@@ -85,15 +89,19 @@ class DecodeConfig:
 # * rows64 (N >= 64): direct form; the [64, 512] float32 accumulator needs 8 warps
 #   (128 registers per thread); two stages of 64-position tiles plus q fill 221 KB:
 #   273-287 TFLOP/s at N = 128, B = 64-128, 4k-8k.
+# * prefetch: with two stages only one tile per SM is in flight; asking L2 for the tile
+#   `prefetch` tiles ahead adds more: rows16 379 -> 344 us at B = 128, 8k (1 ahead; 2 and
+#   3 ahead were slower), rows64 267 -> 253 us at B = 64, N = 128, 4k (2 ahead), fp8
+#   rows16 504 -> 472 us (2 ahead). Not measured for rows32: off there.
 # * fp8: the tile is widened to float16 in registers, which the direct form with 8
 #   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
 #   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True),
-    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1),
+    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1),
+    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2),
     "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True),
     "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
-    "rows64": DecodeConfig(64, 64, 8, 2, 512, 1),
+    "rows64": DecodeConfig(64, 64, 8, 2, 512, 1, prefetch=2),
     "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1, paged=False),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
@@ -223,6 +231,25 @@ def _paged_tile(
 
 
 @triton.jit
+def _prefetch_tile(data_ptr, table_row, start, stride_db, stride_dp, PAGE: tl.constexpr,
+                   LINES: tl.constexpr, REST: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the tile at `start` (LINES + REST lines of LINE elements from its first
+    row; the tile is contiguous inside its page). Fire and forget: no register waits on
+    it, and the bulk copy of that tile later finds it in L2."""
+    block = tl.load(table_row + start // PAGE).to(tl.int64)
+    base = data_ptr + block * stride_db + (start % PAGE).to(tl.int64) * stride_dp
+    _prefetch_l2(base + tl.arange(0, LINES).to(tl.int64) * LINE)
+    if REST > 0:
+        _prefetch_l2(base + (LINES + tl.arange(0, REST)).to(tl.int64) * LINE)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_tile(
     acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible, qk_scale,
     R: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -309,6 +336,8 @@ def _decode_partial_kernel(
     BLOCK_R: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
     IS_FP8: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
     SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
+    PF_LINE: tl.constexpr,
 ):
     """One (head group, split, request): partial out [BLOCK_H, L] and lse over a slice.
 
@@ -387,6 +416,12 @@ def _decode_partial_kernel(
                 limit, q_a, q_b, q_pe, qk_scale, COMPUTE, L, R, PAGE, BLOCK_N, HALF_L,
                 True, PRECISION, SWAP_AB)
         for start in range(lo, full_hi, BLOCK_N):
+            if PREFETCH > 0:
+                # PREFETCH tiles ahead (the last whole tile again near the end: any tile
+                # below full_hi is a valid page, and a repeat costs one L2 hit).
+                ahead = tl.minimum(start + PREFETCH * BLOCK_N, full_hi - BLOCK_N)
+                _prefetch_tile(data_ptr, table_row, ahead, stride_db, stride_dp, PAGE,
+                               PF_LINES, PF_REST, PF_LINE)
             acc_a, acc_b, m_i, l_i = _paged_step(
                 acc_a, acc_b, m_i, l_i, latent_desc, rope_desc, table_row, start, hi,
                 limit, q_a, q_b, q_pe, qk_scale, COMPUTE, L, R, PAGE, BLOCK_N, HALF_L,
@@ -570,6 +605,11 @@ def mla_decode(
     half_l = max(32, next_pow2(L)) // 2
     block_r = max(16, next_pow2(R)) if R > 0 else 16
     descs = _page_descriptors(data, block_n, half_l, block_r, L) if cfg.paged else None
+    # L2 prefetch of tiles ahead (inline PTX: GPU only, and only with bulk copies).
+    prefetch = cfg.prefetch if descs is not None and not INTERPRETED else 0
+    pf_line = 128 // data.element_size()  # elements per 128-byte line
+    pf_lines, pf_rest = split_pow2(cdiv(block_n * data.stride(1), pf_line))
+    pf_rest = next_pow2(pf_rest) if pf_rest else 0
     if direct:
         part_out, part_lse = out, lse
         o_strides = (out.stride(0), out.stride(1), 0)
@@ -591,6 +631,7 @@ def mla_decode(
         BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
         DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
         PAGED=descs is not None, COMPUTE=compute,
+        PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if direct:
