@@ -261,6 +261,6 @@ class Scheduler:
             return "stop"
         if params.stop_token_ids and token_id in params.stop_token_ids:
             return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:  # output tokens
+        if seq.num_output_tokens >= params.max_tokens:
             return "length"
         return None
