@@ -65,6 +65,7 @@ from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
     MAX_SPLITS,
     DecodeConfig,
+    _hopper_supported,
     _page_descriptors,
     pick_config,
     plan_num_splits,
@@ -80,6 +81,9 @@ runnable = pytest.mark.skipif(
     "(tests/conftest.py sets it when CUDA is missing)",
 )
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+hopper = pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
+    reason="the warp-specialized decode kernel (decode_hopper) needs a Hopper GPU")
 
 # Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
 TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
@@ -611,6 +615,59 @@ def test_decode_gpu_long_context(num_heads: int, seq_len: int, cache: str) -> No
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, seq_len, L,
             (L + R) ** -0.5)
     _check_decode(args, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(("q_lens", "num_heads"),
+                         [([1] * 6, 16), ([2, 1, 2, 1, 2, 2], 8), ([4, 1, 3, 4, 2, 4], 4),
+                          ([1] * 6, 1)], ids=["q1-N16", "q2-N8", "q4-N4", "q1-N1"])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int],
+                                  num_heads: int, num_splits: int | None) -> None:
+    # The warp-specialized kernel (<= 16 query rows, 64-row tiles inside a page):
+    # lengths of one tile exactly, one past it, partial last tiles (NaN slots after
+    # them), multi-token rows; direct output, forced splits and the planner's. It must
+    # match the reference and the Triton kernel of the same config.
+    seq_lens = [max(q_lens), 65, 64, 1000, 4097, 333]
+    cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
+    args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
+                        cache_dtype, seed=800 + block_size + num_heads)
+    assert _hopper_supported(args[0], args[1], num_heads * max(q_lens), 512)
+    _check_decode(args, torch.bfloat16, num_splits=num_splits)
+    config = pick_config(num_heads * max(q_lens), torch.bfloat16, cache == "fp8")
+    assert config.hopper
+    ours = mla_decode(*args, num_splits=num_splits)
+    theirs = mla_decode(*args, num_splits=num_splits, config=replace(config, hopper=False))
+    assert relative_error(ours[0], theirs[0].double()) < 1e-2
+    torch.testing.assert_close(ours[1], theirs[1], atol=2e-3, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype) -> None:
+    # One visible position: its softmax weight is exactly 1, so the output row is the
+    # cached latent row itself. Fill it with every finite e4m3 value (subnormals, both
+    # signs, +-448) and expect each exactly (e4m3 values are exact in bf16 and fp16;
+    # compared as values: -0 comes back as +0 from the accumulator).
+    L, R, page = 512, 64, 64
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    finite = codes[codes.float().isfinite()]
+    row = finite.repeat(3)[: L + R]
+    data = torch.full((2, page, L + R), math.nan, device="cuda").to(FP8)
+    data[1, 0] = row.cuda()
+    q = torch.randn(1, 16, L + R, device="cuda").to(dtype)
+    args = (q, data, torch.tensor(1.0, device="cuda"),
+            torch.tensor([[1]], dtype=torch.int32, device="cuda"),
+            torch.tensor([1], dtype=torch.int32, device="cuda"),
+            torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, 1, L, (L + R) ** -0.5)
+    assert _hopper_supported(q, data, 16, L)
+    out = mla_decode(*args)[0]
+    want = row[:L].float().cuda().expand(16, L)
+    assert torch.equal(out[0].float(), want)
 
 
 @pytest.mark.cuda

@@ -64,7 +64,9 @@ class DecodeConfig:
     MMA's M dimension), which suits few heads per program (see the kernel); paged: copy
     whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
     allow (see `_page_descriptors`), else gather rows through the block table; prefetch:
-    with bulk copies on a GPU, ask L2 for the tile this many tiles ahead (0: off).
+    with bulk copies on a GPU, ask L2 for the tile this many tiles ahead (0: off);
+    hopper: on a Hopper GPU, run stage 1 as the warp-specialized Gluon kernel of
+    `decode_hopper` where it supports the call (else this config's Triton kernel).
     """
 
     block_h: int
@@ -76,6 +78,7 @@ class DecodeConfig:
     swap_ab: bool = False
     paged: bool = True
     prefetch: int = 0
+    hopper: bool = False
 
 
 # Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
@@ -97,8 +100,8 @@ class DecodeConfig:
 #   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
 #   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1),
-    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2),
+    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
+    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),
     "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True),
     "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
     "rows64": DecodeConfig(64, 64, 8, 2, 512, 1, prefetch=2),
@@ -521,6 +524,18 @@ def _decode_combine_kernel(
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
 
 
+def _hopper_supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
+    """Whether the Gluon kernel of `decode_hopper` takes this call (never under the
+    interpreter, nor where Triton lacks Gluon)."""
+    if INTERPRETED or q.device.type != "cuda":
+        return False
+    try:
+        from pagedmla.ops.triton import decode_hopper
+    except ImportError:
+        return False
+    return decode_hopper.supported(q, data, num_rows, L)
+
+
 def _page_descriptors(
     data: torch.Tensor, block_n: int, half_l: int, block_r: int, L: int
 ) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -621,19 +636,26 @@ def mla_decode(
                                device=q.device)
         o_strides = part_out.stride()[:3]
         l_strides = part_lse.stride()
-    _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
-        q, data, *(descs or (None, None)), scale, block_table, seq_lens, query_start_loc,
-        part_out, part_lse,
-        q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
-        *o_strides, *l_strides,
-        num_heads, num_splits, float(softmax_scale),
-        L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
-        BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
-        DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
-        PAGED=descs is not None, COMPUTE=compute,
-        PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.hopper and _hopper_supported(q, data, num_heads * max_query_len, L):
+        from pagedmla.ops.triton import decode_hopper
+
+        decode_hopper.decode_partial(
+            q, data, scale, block_table, seq_lens, query_start_loc, part_out, part_lse,
+            o_strides, l_strides, num_splits, softmax_scale, L, cfg.min_chunk, direct)
+    else:
+        _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
+            q, data, *(descs or (None, None)), scale, block_table, seq_lens, query_start_loc,
+            part_out, part_lse,
+            q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
+            *o_strides, *l_strides,
+            num_heads, num_splits, float(softmax_scale),
+            L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
+            BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
+            DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
+            PAGED=descs is not None, COMPUTE=compute,
+            PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if direct:
         return out, lse
     block_s = next_pow2(num_splits)

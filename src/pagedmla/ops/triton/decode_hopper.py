@@ -1,0 +1,469 @@
+"""Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
+
+Same contract as `decode._decode_partial_kernel` (one program per head group, split and
+request; final output or float32 partials plus lse), for the memory-bound regime: at
+most BLOCK_H = 16 query rows per request, page size a multiple of 64, 64-row tiles.
+
+Why a second kernel: plain Triton pipelines the tile copies in software, inside the
+instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits
+only two stages; it also does not multi-buffer a copy whose first use is a conversion,
+so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
+
+* a producer warp walks the block table and issues bulk tensor copies (TMA) into a
+  ring of STAGES tile buffers, each guarded by a `ready` and an `empty` mbarrier, so a
+  buffer is refilled the moment the consumer lets go of it;
+* the consumer warpgroup runs the swapped products with wgmma, S^T = K Q^T over all
+  L + R columns and O^T += V^T P^T over the first L (positions are the MMA's 64 rows, so
+  16 heads do not pad to 64), and the online softmax (base 2) between them.
+
+An fp8 tile (half the bytes) is widened by the consumer into one bf16/fp16 tile and its
+ring buffer is released right after, before any product: the ring then holds three fp8
+tiles in flight. The products read the widened copy. Rows at or past the slice end are
+zeroed on the way (slots past seq_len may hold NaN, and 0 x NaN reaches the output);
+with a 16-bit cache only the slice's last, partial tile is zeroed, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from pagedmla.cache import FP8_DTYPE
+
+BLOCK_N = 64  # positions per tile: the wgmma's M
+BLOCK_H = 16  # query rows per program: the wgmma's N
+STAGES = {torch.bfloat16: 2, torch.float16: 2, FP8_DTYPE: 2}  # ring buffers
+PREFETCH = {torch.bfloat16: 0, torch.float16: 0, FP8_DTYPE: 0}  # L2 prefetch, tiles ahead
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+              FP8_DTYPE: gl.float8e4nv}
+
+
+def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
+    """Whether this kernel takes the call: a Hopper GPU, DeepSeek widths (L = 512,
+    R = 64), 16-bit q, a 16-bit cache of q's dtype or fp8, at most BLOCK_H query rows
+    per request, and pages the copy engine can read in whole 64-row tiles."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    num_blocks, page, width = data.shape
+    return (L == 512 and width == L + 64 and num_rows <= BLOCK_H
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and data.dtype in (q.dtype, FP8_DTYPE)
+            and page % BLOCK_N == 0 and data.stride(2) == 1
+            and data.stride(0) == page * data.stride(1)
+            and (data.stride(1) * data.element_size()) % 16 == 0
+            and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)
+
+
+# Ask L2 for `$2` bytes from `$1` (one lane issues it): a contiguous tile arrives in
+# L2 ahead of its bulk copy, which adds bytes in flight beyond the ring's buffers.
+_L2_PREFETCH = gl.constexpr("""{
+.reg .pred first;
+.reg .b32 lane;
+mov.u32 lane, %laneid;
+setp.eq.u32 first, lane, 0;
+@first cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.b32 $0, 0;
+}""")
+
+
+@gluon.jit
+def _tile_row(table_row, start, PAGE: gl.constexpr):
+    """Cache row of position `start` (int32: the cache holds fewer than 2**31 rows)."""
+    return gl.load(table_row + start // PAGE) * PAGE + start % PAGE
+
+
+@gluon.jit
+def _produce(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b,
+             wide_ready, wide_empty, data_ptr, stride_dp, table_row, lo, hi, num_tiles,
+             PAGE: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+    """Producer warp: copy tile i into ring buffer i % STAGES once it is free.
+
+    The block-table entry of the next tile is loaded before waiting for a buffer, so
+    its latency is not added to every copy's. PREFETCH > 0: also ask L2 for the tile
+    that many ahead (TILE_N rows of stride_dp elements from its first row: a tile is
+    contiguous in its page).
+    (The worker partitions share one signature: wide_* and hi serve `_widen`.)"""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    last = lo + (num_tiles - 1) * TILE_N
+    row = _tile_row(table_row, gl.minimum(lo, last), PAGE)
+    for i in range(num_tiles):
+        slot = i % STAGES
+        start = lo + i * TILE_N
+        row_next = _tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
+        if PREFETCH > 0:
+            ahead = _tile_row(table_row, gl.minimum(start + PREFETCH * TILE_N, last), PAGE)
+            at = data_ptr + ahead.to(gl.int64) * stride_dp + gl.zeros([1], gl.int64, one)
+            tile_bytes = stride_dp * (TILE_N * data_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            gl.inline_asm_elementwise(_L2_PREFETCH, "=r,l,r", [at, tile_bytes],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(latent_desc, [row, 0], bar, ring_a.index(slot))
+        tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar, ring_b.index(slot))
+        tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar,
+                                        ring_r.index(slot))
+        row = row_next
+
+
+@gluon.jit
+def _widen(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b,
+           wide_ready, wide_empty, data_ptr, stride_dp, table_row, lo, hi, num_tiles,
+           PAGE: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+    """Widening warpgroup (fp8 cache): tile i's latent halves, e4m3 in ring buffer
+    i % STAGES, become 16-bit in wide buffer i % 2, rows past hi zeroed. Runs a tile
+    ahead of the consumer, so the widening overlaps the products."""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    for i in range(num_tiles):
+        slot = i % STAGES
+        w = i % 2
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(wide_empty.index(w), ((i // 2) & 1) ^ 1)
+        start = lo + i * TILE_N
+        _widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
+        _widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
+        # Order the reads before the producer's next copy into the ring buffer, and
+        # the stores before the products' reads (both through the async proxy).
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.arrive(wide_ready.index(w), count=1)
+
+
+# e4m3 -> 16-bit by placing the bits and one exact multiply by a power of two (the
+# exponent biases differ by 120 for bf16, 8 for fp16), four values per call. The
+# hardware's conversions (cvt e4m3x2 -> f16x2, then f16 -> bf16) issue at a quarter of
+# the integer rate and made the fp8 tile's widening, not its copy, the bottleneck.
+# Subnormals come out exact; an e4m3 NaN would read as +-480 (the cache writer
+# saturates, so only a NaN model input can put one there).
+_E4M3_TO_16 = """{{
+.reg .b32 t, u, k;
+mov.b32 k, {one};
+prmt.b32 t, $2, 0, 0x1404;
+shr.b32 u, t, {shift};
+and.b32 u, u, {mask};
+and.b32 t, t, 0x80008000;
+or.b32 t, t, u;
+mul.rn.{ty}x2 $0, t, k;
+prmt.b32 t, $2, 0, 0x3424;
+shr.b32 u, t, {shift};
+and.b32 u, u, {mask};
+and.b32 t, t, 0x80008000;
+or.b32 t, t, u;
+mul.rn.{ty}x2 $1, t, k;
+}}"""
+_E4M3_TO_BF16 = gl.constexpr(
+    _E4M3_TO_16.format(one="0x7B807B80", shift=4, mask="0x07F007F0", ty="bf16"))
+_E4M3_TO_F16 = gl.constexpr(
+    _E4M3_TO_16.format(one="0x5C005C00", shift=1, mask="0x3F803F80", ty="f16"))
+
+
+@gluon.jit
+def _e4m3_bits_to(bits, dtype: gl.constexpr):
+    """uint8 e4m3 codes -> dtype (bf16 or fp16) values, same shape and layout."""
+    if dtype == gl.bfloat16:
+        wide = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
+                                         is_pure=True, pack=4)
+    else:
+        wide = gl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [bits], dtype=gl.float16,
+                                         is_pure=True, pack=4)
+    return wide
+
+
+@gluon.jit
+def _load_e4m3(src, start, hi, layout: gl.constexpr, dtype: gl.constexpr):
+    """The e4m3 tile src (unscaled) in registers as dtype, rows at positions >= hi
+    zero."""
+    TILE_N: gl.constexpr = src.type.shape[0]
+    bits = src.load(layout).to(gl.uint8, bitcast=True)
+    if start + TILE_N > hi:
+        pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
+        bits = gl.where((pos < hi)[:, None], bits, gl.zeros_like(bits))
+    return _e4m3_bits_to(bits, dtype)
+
+
+@gluon.jit
+def _widen_rows(src, dst, start, hi, layout: gl.constexpr):
+    """dst (16-bit) = src (e4m3), rows at positions >= hi zero."""
+    dst.store(_load_e4m3(src, start, hi, layout, dst.dtype))
+
+
+@gluon.jit
+def _zero_rows(buf, start, hi, layout: gl.constexpr):
+    """Set the rows of buf at positions >= hi to zero, in place."""
+    TILE_N: gl.constexpr = buf.type.shape[0]
+    x = buf.load(layout)
+    pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
+    buf.store(gl.where((pos < hi)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _consume(ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready, wide_empty,
+             q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale, STAGES: gl.constexpr,
+             IS_FP8: gl.constexpr, mma: gl.constexpr, rows: gl.constexpr):
+    """Consumer warpgroup: online softmax over the slice's tiles.
+
+    16-bit cache: the products read the ring buffer, which is released after them.
+    fp8: they read the latent halves from the wide buffer `_widen` filled; the rope
+    part (a ninth of the tile) is widened here, into registers (the A operand of its
+    product), which saves a third wide buffer in shared memory.
+
+    Returns acc_a, acc_b [HALF_L, BLOCK_H] (O^T halves, unnormalised), m_i and l_i
+    [BLOCK_H] (running max and sum, base 2)."""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    ROWS: gl.constexpr = q_a.type.shape[0]
+    a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    acc_a = gl.zeros([HALF_L, ROWS], gl.float32, mma)
+    acc_b = gl.zeros([HALF_L, ROWS], gl.float32, mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
+    s_init = gl.zeros([TILE_N, ROWS], gl.float32, mma)
+    for i in range(num_tiles):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        start = lo + i * TILE_N
+        if IS_FP8:
+            w = i % 2
+            k_r = _load_e4m3(ring_r.index(slot), start, hi, a_regs, q_a.dtype)
+            fence_async_shared()  # the reads above before the next copy into the buffer
+            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.wait(wide_ready.index(w), (i // 2) & 1)
+            k_a = wide_a.index(w)
+            k_b = wide_b.index(w)
+        else:
+            k_a = ring_a.index(slot)
+            k_b = ring_b.index(slot)
+            k_r = ring_r.index(slot)
+            if start + TILE_N > hi:  # the slice's last, partial tile
+                _zero_rows(k_a, start, hi, rows)
+                _zero_rows(k_b, start, hi, rows)
+                _zero_rows(k_r, start, hi, rows)
+                fence_async_shared()
+        s = warpgroup_mma(k_a, q_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_b, q_b.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_r, q_r.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+
+        pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, mma))
+        visible = (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        acc_a = warpgroup_mma(k_a.permute((1, 0)), p_smem, acc_a * alpha[None, :],
+                              is_async=True)
+        acc_b = warpgroup_mma(k_b.permute((1, 0)), p_smem, acc_b * alpha[None, :],
+                              is_async=True)
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+        if IS_FP8:
+            mbarrier.arrive(wide_empty.index(w), count=1)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)
+    return acc_a, acc_b, m_i, l_i
+
+
+@gluon.jit
+def _decode_partial_ws_kernel(
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_dp,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh, stride_ls,
+    num_heads, num_splits, softmax_scale,
+    L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+    MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+    IS_FP8: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """One (head group, split, request), as `decode._decode_partial_kernel`; the tiles
+    come through latent_desc ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes)
+    over the cache viewed as [pages x PAGE, L + R] rows."""
+    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    group = gl.program_id(0)
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + req)
+    q_begin = gl.load(query_start_ptr + req)
+    q_len = gl.load(query_start_ptr + req + 1) - q_begin
+    num_rows = q_len * num_heads
+
+    # The slice: positions [lo, hi) (see decode._split_range and the Triton kernel).
+    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
+    chunk = gl.cdiv(chunk, TILE_N) * TILE_N
+    lo = split * chunk
+    last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
+    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+
+    compute: gl.constexpr = q_ptr.dtype.element_ty
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16])
+    # 8 elements (16 bytes of a 16-bit type) per thread along the row.
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
+                                       rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(STAGES):
+        mbarrier.init(ready.index(k), count=1)
+        # fp8: a ring buffer is free once both the widener and the consumer read it.
+        mbarrier.init(empty.index(k), count=2 if IS_FP8 else 1)
+
+    # q rows of this program (row r: token r // N, head r % N), zero past num_rows.
+    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
+    r_ok = r_idx < num_rows
+    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
+              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
+    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
+    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
+    q_a = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_b = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_r = gl.allocate_shared_memory(
+        compute, [BLOCK_H, R], q_r_layout,
+        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+    p_smem = gl.allocate_shared_memory(
+        compute, [TILE_N, BLOCK_H],
+        gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_H], compute))
+    if IS_FP8:
+        wide_a = gl.allocate_shared_memory(compute, [2, TILE_N, HALF_L], gl.NVMMASharedLayout
+                                           .get_default_for([TILE_N, HALF_L], compute))
+        wide_b = gl.allocate_shared_memory(compute, [2, TILE_N, HALF_L], wide_a.layout)
+        wide_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        wide_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(2):
+            mbarrier.init(wide_ready.index(k), count=1)
+            mbarrier.init(wide_empty.index(k), count=1)
+    else:  # unused: the products read the ring buffers
+        wide_a = ring_a
+        wide_b = ring_b
+        wide_ready = ready
+        wide_empty = empty
+    fence_async_shared()
+
+    # Scores in base 2; an fp8 cache stores x / scale, so the scale multiplies the
+    # scores here and the output below.
+    qk_scale = softmax_scale * 1.4426950408889634
+    if IS_FP8:
+        kv_scale = gl.load(scale_ptr)
+        qk_scale = qk_scale * kv_scale
+    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
+    limit = seq_len - q_len + r_mma // num_heads + 1
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+
+    # (Argument tuples written out in each call: a tuple held in a variable would turn
+    # the constexpr layouts into tensors.)
+    if IS_FP8:
+        acc_a, acc_b, m_i, l_i = gl.warp_specialize([
+            (_consume, (ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready,
+                        wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
+                        STAGES, IS_FP8, mma, rows)),
+            (_produce, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
+                        wide_b, wide_ready, wide_empty, data_ptr, stride_dp, table_row, lo,
+                        hi, num_tiles, PAGE, STAGES, PREFETCH)),
+            (_widen, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
+                      wide_b, wide_ready, wide_empty, data_ptr, stride_dp, table_row, lo, hi,
+                      num_tiles, PAGE, STAGES, PREFETCH)),
+        ], [1, 4], [24, 112])
+    else:
+        acc_a, acc_b, m_i, l_i = gl.warp_specialize([
+            (_consume, (ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready,
+                        wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
+                        STAGES, IS_FP8, mma, rows)),
+            (_produce, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
+                        wide_b, wide_ready, wide_empty, data_ptr, stride_dp, table_row, lo,
+                        hi, num_tiles, PAGE, STAGES, PREFETCH)),
+        ], [1], [24])
+
+    has_key = l_i > 0.0
+    norm = 1.0 / gl.where(has_key, l_i, 1.0)
+    if IS_FP8:
+        norm = norm * kv_scale
+    lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # natural log
+    # O^T [HALF_L, BLOCK_H] halves: l is the contiguous dimension of out.
+    store: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    out_a = gl.convert_layout(acc_a * norm[None, :], store)
+    out_b = gl.convert_layout(acc_b * norm[None, :], store)
+    r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, store))
+    token = (q_begin + r_st // num_heads).to(gl.int64)
+    out_cols = out_ptr + token * stride_ot + (r_st % num_heads).to(gl.int64) * stride_oh
+    lse_at = lse_ptr + token * stride_lt + (r_st % num_heads).to(gl.int64) * stride_lh
+    lse = gl.convert_layout(lse, gl.SliceLayout(0, store))
+    if DIRECT:
+        store_ok = r_st < num_rows
+    else:
+        out_cols += split * stride_os
+        lse_at += split * stride_ls
+        store_ok = (r_st < num_rows) & (lse > float("-inf"))
+    l_idx = gl.arange(0, HALF_L, gl.SliceLayout(1, store))
+    gl.store(out_cols[None, :] + l_idx[:, None], out_a.to(out_ptr.dtype.element_ty),
+             mask=store_ok[None, :])
+    gl.store(out_cols[None, :] + HALF_L + l_idx[:, None], out_b.to(out_ptr.dtype.element_ty),
+             mask=store_ok[None, :])
+    gl.store(lse_at, lse, mask=r_st < num_rows)
+
+
+def decode_partial(
+    q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
+    num_splits: int, softmax_scale: float, L: int, min_chunk: int, direct: bool,
+) -> None:
+    """Launch stage 1 for a batch `supported` accepted: grid (1, num_splits, B).
+
+    q [T, N, L + R]; data [num_blocks, page, L + R]; part_out / part_lse as in
+    `decode.mla_decode` (the final out [T, N, L] and lse [N, T] when `direct`)."""
+    num_blocks, page, width = data.shape
+    R = width - L
+    rows = [num_blocks * page, width]
+    strides = [data.stride(1), 1]
+    dtype = _GL_DTYPES[data.dtype]
+    latent_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L // 2], dtype)
+    rope_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    latent_desc = TensorDescriptor(data, rows, strides, [BLOCK_N, L // 2], latent_layout)
+    rope_desc = TensorDescriptor(data, rows, strides, [BLOCK_N, R], rope_layout)
+    _decode_partial_ws_kernel[(1, num_splits, seq_lens.shape[0])](
+        q, data, latent_desc, rope_desc, scale, block_table, seq_lens, query_start_loc,
+        part_out, part_lse,
+        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0), *o_strides, *l_strides,
+        q.shape[1], num_splits, float(softmax_scale),
+        L=L, R=R, PAGE=page, BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
+        STAGES=STAGES[data.dtype], PREFETCH=PREFETCH[data.dtype],
+        IS_FP8=data.dtype == FP8_DTYPE, DIRECT=direct,
+        num_warps=4,
+    )
