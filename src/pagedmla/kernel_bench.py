@@ -46,7 +46,7 @@ from pagedmla.ops.triton import (
     varlen_attention,
     write_cache,
 )
-from pagedmla.ops.triton.decode import DECODE_CONFIGS, pick_config
+from pagedmla.ops.triton.decode import DECODE_CONFIGS, _hopper_supported, pick_config
 
 L, R = 512, 64
 FP8 = torch.float8_e4m3fn
@@ -335,6 +335,13 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             args = decode_inputs(batch, heads, context, q_len, block_size=page, cache=cache)
             us = bench(graphed(lambda args=args: mla_decode(*args)))
             eager_us = bench(lambda args=args: mla_decode(*args))
+            # Where the Gluon kernel runs, time the Triton kernel of the same config too.
+            cfg = pick_config(heads * q_len, torch.bfloat16, cache == FP8)
+            plain_us = None
+            if cfg.hopper and _hopper_supported(args[0], args[1], heads * q_len, L):
+                plain = replace(cfg, hopper=False)
+                plain_us = bench(graphed(lambda args=args, plain=plain:
+                                         mla_decode(*args, config=plain)))
             nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size())
             results[cache] = (us, nbytes, flops)
             ref_us = None
@@ -349,6 +356,8 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
                 "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
                 "baseline_us": ref_us,
+                "stage1": "gluon" if plain_us else "triton",
+                "triton_stage1_us": plain_us,
             }
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
             if cache == FP8:
@@ -565,7 +574,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "",
         "% ceiling: decode vs the HBM read rate, merge vs the copy rate (it reads and writes)",
         "decode µs: one CUDA-graph replay (GPU time, as in the engine's decode steps); "
-        "eager µs adds Python's launch overhead",
+        "eager µs adds Python's launch overhead; [Gluon; ...]: stage 1 ran the Hopper "
+        "kernel of decode_hopper, and the Triton kernel's time is shown for comparison",
         "",
         "| kernel | shape | µs | eager µs | TB/s | % ceiling | TFLOP/s | baseline | baseline µs "
         "| speedup |",
@@ -577,6 +587,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
                      f"q_len={r['q_len']} page={r.get('page', 64)}")
             if "fp8_speedup_vs_bf16" in r:
                 shape += f" (x{r['fp8_speedup_vs_bf16']:.2f} vs bf16)"
+            if r.get("triton_stage1_us"):
+                shape += f" [Gluon; Triton kernel: {r['triton_stage1_us']:.1f} µs]"
         elif r["kernel"] == "merge_attn_states":
             shape = f"T={r['T']} N={r['N']} D={r['D']} bf16"
         else:
