@@ -617,6 +617,17 @@ def test_decode_gpu_long_context(num_heads: int, seq_len: int, cache: str) -> No
     _check_decode(args, torch.bfloat16)
 
 
+def test_hopper_kernel_only_takes_cuda_tensors() -> None:
+    # The Gluon module imports with the installed Triton (CI: the CPU build), and the
+    # dispatcher never hands it CPU tensors (the interpreter cannot run Gluon).
+    from pagedmla.ops.triton import decode_hopper
+
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    data = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not decode_hopper.supported(q, data, 16, 512)
+    assert not _hopper_supported(q, data, 16, 512)
+
+
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
