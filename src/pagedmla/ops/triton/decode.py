@@ -543,22 +543,30 @@ def _hopper_supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int
     return decode_hopper.supported(q, data, num_rows, L)
 
 
+def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:
+    """Whether the copy engine can read [block_n, ...] tiles of the cache `data`
+    [num_blocks, page, L + R] as rows: tiles inside one page (page a multiple of
+    block_n), pages adjacent in rows, 16-byte aligned base and row stride, and fewer
+    than 2**31 rows (int32 coordinates)."""
+    num_blocks, page, _ = data.shape
+    return (page % block_n == 0 and data.stride(-1) == 1
+            and data.stride(0) == page * data.stride(1)
+            and (data.stride(1) * data.element_size()) % 16 == 0
+            and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)
+
+
 def _page_descriptors(
     data: torch.Tensor, block_n: int, half_l: int, block_r: int, L: int
 ) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Tensor descriptors for bulk tile copies, or None where the layout rules them out.
 
-    Tiles must stay inside one page (page size a multiple of block_n), the latent must
-    split into two power-of-two halves, the copy engine needs 16-byte aligned base and
-    row stride, and row coordinates are int32. The cache is viewed as [pages x
+    Beyond `tiles_copyable`, the latent must split into two power-of-two halves of at
+    most 256 columns (the copy engine's box). The cache is viewed as [pages x
     page_size, L + R] rows.
     """
-    num_blocks, page, width = data.shape
-    row_bytes = data.stride(1) * data.element_size()
-    if (page % block_n or 2 * half_l != L or half_l > 256 or block_r > 256
-            or data.stride(0) != page * data.stride(1) or row_bytes % 16
-            or data.data_ptr() % 16 or num_blocks * page >= 2**31):  # int32 row coordinates
+    if not tiles_copyable(data, block_n) or 2 * half_l != L or half_l > 256 or block_r > 256:
         return None
+    num_blocks, page, width = data.shape
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
     return (TensorDescriptor(data, rows, strides, [block_n, half_l]),

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.triton.decode import tiles_copyable
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 BLOCK_H = 16  # query rows per program: the wgmma's N
@@ -52,14 +53,9 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     per request, and pages the copy engine can read in whole 64-row tiles."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    num_blocks, page, width = data.shape
-    return (L == 512 and width == L + 64 and num_rows <= BLOCK_H
+    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
             and q.dtype in (torch.bfloat16, torch.float16)
-            and data.dtype in (q.dtype, FP8_DTYPE)
-            and page % BLOCK_N == 0 and data.stride(2) == 1
-            and data.stride(0) == page * data.stride(1)
-            and (data.stride(1) * data.element_size()) % 16 == 0
-            and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)
+            and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, BLOCK_N))
 
 
 @gluon.jit
