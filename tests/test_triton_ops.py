@@ -65,8 +65,8 @@ from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
     MAX_SPLITS,
     DecodeConfig,
-    _hopper_supported,
     _page_descriptors,
+    hopper_kernel,
     pick_config,
     plan_num_splits,
 )
@@ -83,7 +83,7 @@ runnable = pytest.mark.skipif(
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 hopper = pytest.mark.skipif(
     not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
-    reason="the warp-specialized decode kernel (decode_hopper) needs a Hopper GPU")
+    reason="the warp-specialized decode kernels (decode_hopper*) need a Hopper GPU")
 
 # Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
 TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
@@ -617,15 +617,17 @@ def test_decode_gpu_long_context(num_heads: int, seq_len: int, cache: str) -> No
     _check_decode(args, torch.bfloat16)
 
 
-def test_hopper_kernel_only_takes_cuda_tensors() -> None:
-    # The Gluon module imports with the installed Triton (CI: the CPU build), and the
-    # dispatcher never hands it CPU tensors (the interpreter cannot run Gluon).
-    from pagedmla.ops.triton import decode_hopper
+@pytest.mark.parametrize("num_rows", [16, 128])
+def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
+    # The Gluon modules import with the installed Triton (CI: the CPU build), and the
+    # dispatcher never hands them CPU tensors (the interpreter cannot run Gluon).
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
 
-    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    q = torch.zeros(1, num_rows, 576, dtype=torch.bfloat16)
     data = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    assert not decode_hopper.supported(q, data, 16, 512)
-    assert not _hopper_supported(q, data, 16, 512)
+    assert not decode_hopper.supported(q, data, num_rows, 512)
+    assert not decode_hopper_heads.supported(q, data, num_rows, 512)
+    assert hopper_kernel(q, data, num_rows, 512) is None
 
 
 @pytest.mark.cuda
@@ -642,13 +644,22 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
     # lengths of one tile exactly, one past it, partial last tiles (NaN slots after
     # them), multi-token rows; direct output, forced splits and the planner's. It must
     # match the reference and the Triton kernel of the same config.
+    from pagedmla.ops.triton import decode_hopper
+
     seq_lens = [max(q_lens), 65, 64, 1000, 4097, 333]
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
                         cache_dtype, seed=800 + block_size + num_heads)
-    assert _hopper_supported(args[0], args[1], num_heads * max(q_lens), 512)
+    assert hopper_kernel(args[0], args[1], num_heads * max(q_lens), 512) is decode_hopper
+    _check_hopper_decode(args, num_heads * max(q_lens), cache == "fp8", num_splits)
+
+
+def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
+                         num_splits: int | None) -> None:
+    """The Gluon kernel against the reference, and against the Triton kernel of the
+    same config."""
     _check_decode(args, torch.bfloat16, num_splits=num_splits)
-    config = pick_config(num_heads * max(q_lens), torch.bfloat16, cache == "fp8")
+    config = pick_config(num_rows, args[0].dtype, is_fp8)
     assert config.hopper
     ours = mla_decode(*args, num_splits=num_splits)
     theirs = mla_decode(*args, num_splits=num_splits, config=replace(config, hopper=False))
@@ -659,11 +670,39 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(("q_lens", "num_heads"),
+                         [([1] * 5, 128), ([1] * 5, 64), ([2, 1, 2, 2, 1], 64),
+                          ([1] * 5, 40), ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 16)],
+                         ids=["q1-N128", "q1-N64", "q2-N64", "q1-N40", "q3-N16", "q2-N16"])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
+                                        q_lens: list[int], num_heads: int,
+                                        num_splits: int | None) -> None:
+    # The 64-row kernel (more than 16 query rows): two head groups (N = 128), one
+    # (N = 64), rows past N * q_len in the last group (N = 40, q_len 3 x N 16, and 32
+    # rows of the rows32 config), rows of several tokens with their own causal limits;
+    # lengths of one tile, one past it, and partial tiles followed by NaN slots.
+    from pagedmla.ops.triton import decode_hopper_heads
+
+    seq_lens = [max(q_lens), 65, 64, 1000, 4097]
+    args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, dtype, dtype,
+                        seed=900 + block_size + num_heads)
+    num_rows = num_heads * max(q_lens)
+    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_heads
+    _check_hopper_decode(args, num_rows, False, num_splits)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype) -> None:
     # One visible position: its softmax weight is exactly 1, so the output row is the
     # cached latent row itself. Fill it with every finite e4m3 value (subnormals, both
     # signs, +-448) and expect each exactly (e4m3 values are exact in bf16 and fp16;
     # compared as values: -0 comes back as +0 from the accumulator).
+    from pagedmla.ops.triton import decode_hopper
+
     L, R, page = 512, 64, 64
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     finite = codes[codes.float().isfinite()]
@@ -675,7 +714,7 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype) -> None:
             torch.tensor([[1]], dtype=torch.int32, device="cuda"),
             torch.tensor([1], dtype=torch.int32, device="cuda"),
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, 1, L, (L + R) ** -0.5)
-    assert _hopper_supported(q, data, 16, L)
+    assert hopper_kernel(q, data, 16, L) is decode_hopper
     out = mla_decode(*args)[0]
     want = row[:L].float().cuda().expand(16, L)
     assert torch.equal(out[0].float(), want)

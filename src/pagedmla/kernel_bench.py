@@ -46,7 +46,7 @@ from pagedmla.ops.triton import (
     varlen_attention,
     write_cache,
 )
-from pagedmla.ops.triton.decode import DECODE_CONFIGS, _hopper_supported, pick_config
+from pagedmla.ops.triton.decode import DECODE_CONFIGS, hopper_kernel, pick_config
 
 L, R = 512, 64
 FP8 = torch.float8_e4m3fn
@@ -324,6 +324,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
         (1, 128, 65536, 1, "compute", 64), (1, 128, 131072, 1, "compute", 64),
         (64, 128, 4096, 1, "compute", 64), (128, 128, 8192, 1, "compute", 64),
         (64, 16, 8192, 4, "memory", 64), (128, 16, 8192, 1, "memory", 16),
+        (128, 32, 8192, 1, "mixed", 64), (128, 64, 8192, 1, "compute", 64),
     ]
     if quick:
         shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10, 12)]
@@ -338,7 +339,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             # Where the Gluon kernel runs, time the Triton kernel of the same config too.
             cfg = pick_config(heads * q_len, torch.bfloat16, cache == FP8)
             plain_us = None
-            if cfg.hopper and _hopper_supported(args[0], args[1], heads * q_len, L):
+            if cfg.hopper and hopper_kernel(args[0], args[1], heads * q_len, L) is not None:
                 plain = replace(cfg, hopper=False)
                 plain_us = bench(graphed(lambda args=args, plain=plain:
                                          mla_decode(*args, config=plain)))
@@ -574,8 +575,9 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "",
         "% ceiling: decode vs the HBM read rate, merge vs the copy rate (it reads and writes)",
         "decode µs: one CUDA-graph replay (GPU time, as in the engine's decode steps); "
-        "eager µs adds Python's launch overhead; [Gluon; ...]: stage 1 ran the Hopper "
-        "kernel of decode_hopper, and the Triton kernel's time is shown for comparison",
+        "eager µs adds Python's launch overhead; [Gluon; ...]: stage 1 ran a Hopper "
+        "kernel (decode_hopper up to 16 query rows, decode_hopper_heads above), and the "
+        "Triton kernel's time is shown for comparison",
         "",
         "| kernel | shape | µs | eager µs | TB/s | % ceiling | TFLOP/s | baseline | baseline µs "
         "| speedup |",

@@ -13,10 +13,11 @@ engine's boxes are at most 256 wide). Online softmax (base 2) accumulates [BLOCK
 in float32. With few heads per program the products are computed transposed (SWAP_AB:
 positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 64 rows).
 
-On a Hopper GPU, stage 1 for at most 16 query rows per request (the memory-bound
-regime) runs as the warp-specialized Gluon kernel of `decode_hopper` instead, with the
-same outputs: a producer warp streams the tiles while a warpgroup computes, which plain
-Triton's software pipeline cannot express (see that module).
+On a Hopper GPU, stage 1 runs as a warp-specialized Gluon kernel instead, with the same
+outputs: `decode_hopper` for at most 16 query rows per request (the memory-bound
+regime), `decode_hopper_heads` for more (64 rows per program, 16-bit cache). A producer
+warp streams the tiles while warpgroups compute, which plain Triton's software pipeline
+cannot express (see those modules).
 
 Stage 2 (`_decode_combine_kernel`) folds the splits of each (token, head) by
 log-sum-exp, all splits of a column block in one load. With one split, stage 1 writes
@@ -70,8 +71,8 @@ class DecodeConfig:
     whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
     allow (see `_page_descriptors`), else gather rows through the block table; prefetch:
     with bulk copies on a GPU, ask L2 for the tile this many tiles ahead (0: off);
-    hopper: on a Hopper GPU, run stage 1 as the warp-specialized Gluon kernel of
-    `decode_hopper` where it supports the call (else this config's Triton kernel).
+    hopper: on a Hopper GPU, run stage 1 as the warp-specialized Gluon kernel that
+    supports the call (`hopper_kernel`; else this config's Triton kernel).
     """
 
     block_h: int
@@ -104,14 +105,17 @@ class DecodeConfig:
 # * fp8: the tile is widened to float16 in registers, which the direct form with 8
 #   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
 #   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
-# * hopper (rows16 only): the Gluon kernel replaces these on Hopper GPUs: B = 128, N =
-#   16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 -> 266 us.
+# * hopper: the Gluon kernels replace these on Hopper GPUs. rows16 (`decode_hopper`):
+#   B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 -> 266 us. rows32 and
+#   rows64, 16-bit cache (`decode_hopper_heads`, 64 rows per program, so 32 rows pad to
+#   64): N = 128, B = 64 x 4k 250 -> 146 us (501 TFLOP/s), B = 128 x 8k 1010 -> 544 us;
+#   N = 32, B = 128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
     "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),
-    "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True),
+    "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True, hopper=True),
     "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
-    "rows64": DecodeConfig(64, 64, 8, 2, 512, 1, prefetch=2),
+    "rows64": DecodeConfig(64, 64, 8, 2, 512, 1, prefetch=2, hopper=True),
     "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1, paged=False),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
@@ -531,16 +535,21 @@ def _decode_combine_kernel(
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
 
 
-def _hopper_supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether the Gluon kernel of `decode_hopper` takes this call (never under the
-    interpreter, nor where Triton lacks Gluon)."""
+def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
+    """The Gluon module whose warp-specialized stage 1 takes this call on a Hopper GPU:
+    `decode_hopper` for at most 16 query rows per request, `decode_hopper_heads` for
+    more; None where neither supports it (and always under the interpreter, or where
+    Triton lacks Gluon)."""
     if INTERPRETED or q.device.type != "cuda":
-        return False
+        return None
     try:
-        from pagedmla.ops.triton import decode_hopper
+        from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
     except ImportError:
-        return False
-    return decode_hopper.supported(q, data, num_rows, L)
+        return None
+    for module in (decode_hopper, decode_hopper_heads):
+        if module.supported(q, data, num_rows, L):
+            return module
+    return None
 
 
 def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:
@@ -618,7 +627,11 @@ def mla_decode(
     is_fp8 = data.dtype == FP8_DTYPE
 
     cfg = config or pick_config(num_heads * max_query_len, q.dtype, is_fp8)
-    block_h = min(cfg.block_h, max(16, next_pow2(num_heads * max_query_len)))
+    hopper = hopper_kernel(q, data, num_heads * max_query_len, L) if cfg.hopper else None
+    if hopper is not None:
+        block_h = hopper.BLOCK_H
+    else:
+        block_h = min(cfg.block_h, max(16, next_pow2(num_heads * max_query_len)))
     cfg = replace(cfg, block_h=block_h)
     block_n = cfg.block_n
     head_groups = cdiv(num_heads * max_query_len, block_h)
@@ -632,11 +645,10 @@ def mla_decode(
     # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
     compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
 
-    hopper = cfg.hopper and _hopper_supported(q, data, num_heads * max_query_len, L)
     half_l = max(32, next_pow2(L)) // 2
     block_r = max(16, next_pow2(R)) if R > 0 else 16
     descs = (_page_descriptors(data, block_n, half_l, block_r, L)
-             if cfg.paged and not hopper else None)
+             if cfg.paged and hopper is None else None)
     # L2 prefetch of tiles ahead (inline PTX: GPU only, and only with bulk copies).
     prefetch = cfg.prefetch if descs is not None and not INTERPRETED else 0
     pf_line = 128 // data.element_size()  # elements per 128-byte line
@@ -653,12 +665,11 @@ def mla_decode(
                                device=q.device)
         o_strides = part_out.stride()[:3]
         l_strides = part_lse.stride()
-    if hopper:
-        from pagedmla.ops.triton import decode_hopper
-
-        decode_hopper.decode_partial(
+    if hopper is not None:
+        hopper.decode_partial(
             q, data, scale, block_table, seq_lens, query_start_loc, part_out, part_lse,
-            o_strides, l_strides, num_splits, softmax_scale, L, cfg.min_chunk, direct)
+            o_strides, l_strides, head_groups, num_splits, softmax_scale, L, cfg.min_chunk,
+            direct)
     else:
         _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
             q, data, *(descs or (None, None)), scale, block_table, seq_lens, query_start_loc,

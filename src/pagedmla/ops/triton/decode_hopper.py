@@ -16,11 +16,15 @@ so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
   L + R columns and O^T += V^T P^T over the first L (positions are the MMA's 64 rows, so
   16 heads do not pad to 64), and the online softmax (base 2) between them.
 
-An fp8 tile (half the bytes) is widened by the consumer into one bf16/fp16 tile and its
-ring buffer is released right after, before any product: the ring then holds three fp8
-tiles in flight. The products read the widened copy. Rows at or past the slice end are
-zeroed on the way (slots past seq_len may hold NaN, and 0 x NaN reaches the output);
-with a 16-bit cache only the slice's last, partial tile is zeroed, in place.
+With an fp8 cache (half the bytes) a third partition, a widening warpgroup, turns each
+e4m3 tile's latent halves into 16-bit copies in one of two wide buffers, a tile ahead
+of the consumer, and releases the ring buffer; the consumer widens the rope part into
+registers. Rows at or past the slice end are zeroed on the way (slots past seq_len may
+hold NaN, and 0 x NaN reaches the output); with a 16-bit cache only the slice's last,
+partial tile is zeroed, in place.
+
+The producer, the zeroing and the descriptors are shared with `decode_hopper_heads`
+(64 query rows per program, for the compute-bound regime).
 """
 
 from __future__ import annotations
@@ -65,15 +69,13 @@ def _tile_row(table_row, start, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _produce(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b,
-             wide_ready, wide_empty, table_row, lo, hi, num_tiles, PAGE: gl.constexpr,
-             STAGES: gl.constexpr):
+def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
+                  lo, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp: copy tile i into ring buffer i % STAGES once it is free.
 
     The block-table entry of the next tile is loaded before waiting for a buffer, so
     its latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
-    for fp8 at B = 128 x 8k). (The worker partitions share one signature: wide_* and
-    hi serve `_widen`.)"""
+    for fp8 at B = 128 x 8k)."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     HALF_L: gl.constexpr = ring_a.type.shape[2]
     nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
@@ -95,9 +97,8 @@ def _produce(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_
 
 
 @gluon.jit
-def _widen(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b,
-           wide_ready, wide_empty, table_row, lo, hi, num_tiles, PAGE: gl.constexpr,
-           STAGES: gl.constexpr):
+def _widen(ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty, lo, hi,
+           num_tiles, STAGES: gl.constexpr):
     """Widening warpgroup (fp8 cache): tile i's latent halves, e4m3 in ring buffer
     i % STAGES, become 16-bit in wide buffer i % 2, rows past hi zeroed. Runs a tile
     ahead of the consumer, so the widening overlaps the products."""
@@ -177,7 +178,7 @@ def _widen_rows(src, dst, start, hi, layout: gl.constexpr):
 
 
 @gluon.jit
-def _zero_rows(buf, start, hi, layout: gl.constexpr):
+def zero_rows(buf, start, hi, layout: gl.constexpr):
     """Set the rows of buf at positions >= hi to zero, in place."""
     TILE_N: gl.constexpr = buf.type.shape[0]
     x = buf.load(layout)
@@ -224,9 +225,9 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready, w
             k_b = ring_b.index(slot)
             k_r = ring_r.index(slot)
             if start + TILE_N > hi:  # the slice's last, partial tile
-                _zero_rows(k_a, start, hi, rows)
-                _zero_rows(k_b, start, hi, rows)
-                _zero_rows(k_r, start, hi, rows)
+                zero_rows(k_a, start, hi, rows)
+                zero_rows(k_b, start, hi, rows)
+                zero_rows(k_r, start, hi, rows)
                 fence_async_shared()
         s = warpgroup_mma(k_a, q_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(k_b, q_b.permute((1, 0)), s, is_async=True)
@@ -366,21 +367,18 @@ def _decode_partial_ws_kernel(
             (_consume, (ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready,
                         wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
                         STAGES, IS_FP8, mma, rows)),
-            (_produce, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
-                        wide_b, wide_ready, wide_empty, table_row, lo, hi, num_tiles, PAGE,
-                        STAGES)),
-            (_widen, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
-                      wide_b, wide_ready, wide_empty, table_row, lo, hi, num_tiles, PAGE,
-                      STAGES)),
+            (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                             table_row, lo, num_tiles, PAGE, STAGES)),
+            (_widen, (ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty, lo,
+                      hi, num_tiles, STAGES)),
         ], [1, 4], [24, 112])
     else:
         acc_a, acc_b, m_i, l_i = gl.warp_specialize([
             (_consume, (ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready,
                         wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
                         STAGES, IS_FP8, mma, rows)),
-            (_produce, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, wide_a,
-                        wide_b, wide_ready, wide_empty, table_row, lo, hi, num_tiles, PAGE,
-                        STAGES)),
+            (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                             table_row, lo, num_tiles, PAGE, STAGES)),
         ], [1], [24])
 
     has_key = l_i > 0.0
@@ -412,31 +410,39 @@ def _decode_partial_ws_kernel(
     gl.store(lse_at, lse, mask=r_st < num_rows)
 
 
-def decode_partial(
-    q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
-    num_splits: int, softmax_scale: float, L: int, min_chunk: int, direct: bool,
-) -> None:
-    """Launch stage 1 for a batch `supported` accepted: grid (1, num_splits, B).
-
-    q [T, N, L + R]; data [num_blocks, page, L + R]; part_out / part_lse as in
-    `decode.mla_decode` (the final out [T, N, L] and lse [N, T] when `direct`)."""
+def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Bulk-copy descriptors over the cache `data` [num_blocks, page, L + R] viewed as
+    [pages x page, L + R] rows: [BLOCK_N, L / 2] boxes for the latent halves and
+    [BLOCK_N, R] boxes for the rope part, in the swizzled layouts wgmma reads."""
     num_blocks, page, width = data.shape
-    R = width - L
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
     dtype = _GL_DTYPES[data.dtype]
     latent_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L // 2], dtype)
-    rope_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
-    latent_desc = TensorDescriptor(data, rows, strides, [BLOCK_N, L // 2], latent_layout)
-    rope_desc = TensorDescriptor(data, rows, strides, [BLOCK_N, R], rope_layout)
-    _decode_partial_ws_kernel[(1, num_splits, seq_lens.shape[0])](
+    rope_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, width - L], dtype)
+    return (TensorDescriptor(data, rows, strides, [BLOCK_N, L // 2], latent_layout),
+            TensorDescriptor(data, rows, strides, [BLOCK_N, width - L], rope_layout))
+
+
+def decode_partial(
+    q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
+    head_groups: int, num_splits: int, softmax_scale: float, L: int, min_chunk: int,
+    direct: bool,
+) -> None:
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
+    num_splits, B).
+
+    q [T, N, L + R]; data [num_blocks, page, L + R]; part_out / part_lse as in
+    `decode.mla_decode` (the final out [T, N, L] and lse [N, T] when `direct`)."""
+    latent_desc, rope_desc = page_descriptors(data, L)
+    _decode_partial_ws_kernel[(head_groups, num_splits, seq_lens.shape[0])](
         q, latent_desc, rope_desc, scale, block_table, seq_lens, query_start_loc,
         part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
         q.shape[1], num_splits, float(softmax_scale),
-        L=L, R=R, PAGE=page, BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
         STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, DIRECT=direct,
         num_warps=4,
     )

@@ -1,0 +1,289 @@
+"""Stage 1 of paged latent decode on Hopper for many query rows: 64 heads per program.
+
+Same contract as `decode._decode_partial_kernel` (one program per head group, split and
+request; final output or float32 partials plus lse), for the compute-bound regime: more
+than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
+data-parallel attention), 16-bit cache, page size a multiple of 64.
+
+With 64 query rows the products are the direct ones, S = Q K^T [64, 64] over all L + R
+columns and O += P V [64, L], and they do not fit one warpgroup: O alone is 128 KB of
+float32. The program splits the work by role, as a warp-specialized kernel:
+
+* a producer warp streams the 64-position tiles into a ring of two buffers with bulk
+  tensor copies (`decode_hopper.produce_tiles`, shared with the 16-row kernel);
+* the score warpgroup computes S for tile i, the online softmax (base 2), and hands P
+  (16-bit, in shared memory) with the rescale factor alpha to
+* two output warpgroups, each owning one half of O ([64, L / 2] float32, 128
+  registers per thread): O_half = alpha O_half + P V_half.
+
+The score warpgroup starts on tile i + 1 while the output warpgroups multiply tile i,
+so the tensor cores always hold both kinds of product. q (72 KB), the ring (2 x 72 KB)
+and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded by a
+`p_ready` / `p_free` mbarrier pair.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pagedmla.ops.triton.decode import tiles_copyable
+from pagedmla.ops.triton.decode_hopper import (
+    BLOCK_N,
+    STAGES,
+    page_descriptors,
+    produce_tiles,
+    zero_rows,
+)
+
+BLOCK_H = 64  # query rows per program: the wgmma's M
+MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
+
+
+def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
+    """Whether this kernel takes the call: a Hopper GPU, DeepSeek widths (L = 512,
+    R = 64), more than 16 query rows per request, a bf16/fp16 q with a cache of the
+    same dtype, and pages the copy engine can read in whole 64-row tiles."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
+            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == q.dtype
+            and tiles_copyable(data, BLOCK_N))
+
+
+@gluon.jit
+def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
+           l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len, num_heads, group,
+           qk_scale, STAGES: gl.constexpr):
+    """Score warpgroup: S = Q K^T per tile, online softmax (base 2), P and alpha to the
+    output warpgroups. The slice's last, partial tile is zeroed in place first (its
+    slots past seq_len may hold NaN, and the output warpgroups read it as V). At the
+    end the running max and sum go to m_smem and l_smem."""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    ROWS: gl.constexpr = q_a.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16])
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    r_idx = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, mma))
+    limit = seq_len - q_len + r_idx // num_heads + 1
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
+    s_init = gl.zeros([ROWS, TILE_N], gl.float32, mma)
+    for i in range(num_tiles):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        start = lo + i * TILE_N
+        k_a = ring_a.index(slot)
+        k_b = ring_b.index(slot)
+        k_r = ring_r.index(slot)
+        if start + TILE_N > hi:
+            zero_rows(k_a, start, hi, rows)
+            zero_rows(k_b, start, hi, rows)
+            zero_rows(k_r, start, hi, rows)
+            fence_async_shared()
+        s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+
+        pos = start + gl.arange(0, TILE_N, gl.SliceLayout(0, mma))
+        visible = (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # P(i - 1) and alpha(i - 1) are free once the output warpgroups multiplied.
+        mbarrier.wait(p_free, (i & 1) ^ 1)
+        p_smem.store(p.to(p_smem.dtype))
+        alpha_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+    m_smem.store(m_i)
+    l_smem.store(l_i)
+    mbarrier.arrive(done, count=1)
+
+
+@gluon.jit
+def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
+                num_tiles, STAGES: gl.constexpr, mma: gl.constexpr):
+    """Output warpgroups (the default partition, two warpgroups splitting the columns):
+    O = alpha O + P V per tile, V being the latent halves in ring_a / ring_b.
+
+    Returns acc_a, acc_b [ROWS, L / 2] (unnormalised)."""
+    ROWS: gl.constexpr = p_smem.type.shape[0]
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    acc_a = gl.zeros([ROWS, HALF_L], gl.float32, mma)
+    acc_b = gl.zeros([ROWS, HALF_L], gl.float32, mma)
+    for i in range(num_tiles):
+        slot = i % STAGES
+        # The score warpgroup saw the copy complete too; this wait is what orders
+        # these warps' reads after it.
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(p_ready, i & 1)
+        alpha = alpha_smem.load(gl.SliceLayout(1, mma))[:, None]
+        acc_a = warpgroup_mma(p_smem, ring_a.index(slot), acc_a * alpha, is_async=True)
+        acc_b = warpgroup_mma(p_smem, ring_b.index(slot), acc_b * alpha, is_async=True)
+        acc_a, acc_b = warpgroup_mma_wait(0, deps=(acc_a, acc_b))
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc_a, acc_b
+
+
+@gluon.jit
+def _decode_heads_kernel(
+    q_ptr, latent_desc, rope_desc, block_table_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh, stride_ls,
+    num_heads, num_splits, softmax_scale,
+    L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+    MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """One (head group of BLOCK_H rows, split, request), as
+    `decode._decode_partial_kernel`, with the tiles copied through latent_desc
+    ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache viewed as
+    [pages x PAGE, L + R] rows. num_warps = 8: the two output warpgroups."""
+    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    group = gl.program_id(0)
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + req)
+    q_begin = gl.load(query_start_ptr + req)
+    q_len = gl.load(query_start_ptr + req + 1) - q_begin
+    num_rows = q_len * num_heads
+
+    # The slice: positions [lo, hi) (see decode._split_range and the Triton kernel).
+    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
+    chunk = gl.cdiv(chunk, TILE_N) * TILE_N
+    lo = split * chunk
+    last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
+    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+
+    compute: gl.constexpr = q_ptr.dtype.element_ty
+    # The output accumulators: each warpgroup owns half of every [BLOCK_H, L / 2] half.
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4],
+        instr_shape=[16, HALF_L // (num_warps // 4), 16])
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
+                                       rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    handoff = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    p_ready = handoff.index(0)  # P and alpha of the next tile are written
+    p_free = handoff.index(1)  # the output warpgroups are done with them
+    done = handoff.index(2)  # the final m and l are in m_smem / l_smem
+    for k in gl.static_range(STAGES):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(empty.index(k), count=1)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(done, count=1)
+
+    # q rows of this program (row r: token r // N, head r % N), zero past num_rows.
+    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
+    r_ok = r_idx < num_rows
+    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
+              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
+    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
+    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
+    q_a = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_b = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_r = gl.allocate_shared_memory(
+        compute, [BLOCK_H, R], q_r_layout,
+        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+    p_smem = gl.allocate_shared_memory(
+        compute, [BLOCK_H, TILE_N],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], compute))
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    fence_async_shared()
+
+    qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+    acc_a, acc_b = gl.warp_specialize([
+        (_accumulate, (ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
+                       num_tiles, STAGES, mma)),
+        (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
+                  l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len,
+                  num_heads, group, qk_scale, STAGES)),
+        (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                         table_row, lo, num_tiles, PAGE, STAGES)),
+    ], [4, 1], [128, 24])
+
+    mbarrier.wait(done, 0)
+    m_i = m_smem.load(gl.SliceLayout(1, mma))
+    l_i = l_smem.load(gl.SliceLayout(1, mma))
+    has_key = l_i > 0.0
+    norm = 1.0 / gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # natural log
+    r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
+    token = (q_begin + r_out // num_heads).to(gl.int64)
+    head = (r_out % num_heads).to(gl.int64)
+    # (With one split the strides address the final out and lse, stride_os = 0.)
+    out_rows = out_ptr + split * stride_os + token * stride_ot + head * stride_oh
+    lse_at = lse_ptr + split * stride_ls + token * stride_lt + head * stride_lh
+    row_ok = r_out < num_rows
+    # A partial with no visible key is never read: not stored.
+    store_ok = row_ok if DIRECT else row_ok & has_key
+    out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, mma))
+    gl.store(out_rows[:, None] + out_cols[None, :],
+             (acc_a * norm[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
+    gl.store(out_rows[:, None] + HALF_L + out_cols[None, :],
+             (acc_b * norm[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
+    gl.store(lse_at, lse, mask=row_ok)
+
+
+def decode_partial(
+    q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
+    head_groups: int, num_splits: int, softmax_scale: float, L: int, min_chunk: int,
+    direct: bool,
+) -> None:
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups, num_splits,
+    B), head_groups = ceil(N * max_query_len / BLOCK_H).
+
+    q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype: `scale` is unused, the
+    launchers share one signature); part_out / part_lse as in `decode.mla_decode` (the
+    final out [T, N, L] and lse [N, T] when `direct`)."""
+    latent_desc, rope_desc = page_descriptors(data, L)
+    _decode_heads_kernel[(head_groups, num_splits, seq_lens.shape[0])](
+        q, latent_desc, rope_desc, block_table, seq_lens, query_start_loc, part_out, part_lse,
+        q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
+        q.shape[1], num_splits, float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
+        STAGES=STAGES, DIRECT=direct, num_warps=8,
+    )
