@@ -15,9 +15,9 @@ key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
 prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
 an effective rate of the path on an H200, fitted to a measurement there
 (benchmarks/bench_routing.py, docs/PERFORMANCE.md): the model predicts a crossover of
-128-130 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with all 24
-measured path choices; measured, MQA is faster at q = 128 and MHA at q = 256 in all
-four.
+260-272 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with all 32
+measured path choices (q = 8..1024); measured, MQA is faster at q = 256 and MHA at
+q = 512 in all four (with the Hopper decode kernels; 128 / 256 before them).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ class PathCostModel:
     """Rates the paths' kernels reach (TFLOP/s, TB/s) and the MQA kernel's row grouping.
 
     Defaults: the triton backend on an H200, whole-layer rates fitted to the measured
-    path times (decode kernel alone: ~280 TFLOP/s compute-bound, ~3.2 TB/s memory-bound;
-    the fit, with launch and absorption overheads, 260 and 2.5; prefill attention ~450
-    TFLOP/s; up-projection 500 TFLOP/s; HBM ~4 TB/s).
+    path times (decode kernels alone: ~500 TFLOP/s compute-bound, ~4.2 TB/s
+    memory-bound; the fit, with launch and absorption overheads, 460 and 3.8; prefill
+    attention ~450 TFLOP/s; up-projection 500 TFLOP/s; HBM ~4 TB/s).
     """
 
-    mqa_tflops: float = 260.0
-    mqa_tbps: float = 2.5
+    mqa_tflops: float = 460.0
+    mqa_tbps: float = 3.8
     mha_tflops: float = 450.0
     matmul_tflops: float = 500.0
     hbm_tbps: float = 4.0
