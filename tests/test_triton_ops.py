@@ -695,13 +695,37 @@ def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
 
 @pytest.mark.cuda
 @hopper
+@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize(("q_lens", "num_heads"),
+                         [([1] * 5, 128), ([2, 1, 2, 2, 1], 64), ([1] * 5, 40),
+                          ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 16)],
+                         ids=["q1-N128", "q2-N64", "q1-N40", "q3-N16", "q2-N16"])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_decode_gpu_hopper_heads_kernel_fp8(block_size: int, q_lens: list[int],
+                                            num_heads: int, num_splits: int | None) -> None:
+    # The 64-row kernel with an fp8 cache: 32-position tiles widened by the producer
+    # warpgroup (rows past the slice end zeroed there), pages of 32 and 128 tokens.
+    from pagedmla.ops.triton import decode_hopper_heads
+
+    seq_lens = [max(q_lens), 33, 64, 1000, 4097]
+    args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
+                        FP8, seed=950 + block_size + num_heads)
+    num_rows = num_heads * max(q_lens)
+    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_heads
+    _check_hopper_decode(args, num_rows, True, num_splits)
+
+
+@pytest.mark.cuda
+@hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: int) -> None:
     # One visible position: its softmax weight is exactly 1, so the output row is the
     # cached latent row itself. Fill it with every finite e4m3 value (subnormals, both
     # signs, +-448) and expect each exactly (e4m3 values are exact in bf16 and fp16;
-    # compared as values: -0 comes back as +0 from the accumulator).
-    from pagedmla.ops.triton import decode_hopper
+    # compared as values: -0 comes back as +0 from the accumulator). 16 heads: the
+    # 16-row kernel; 128: the 64-row one.
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
 
     L, R, page = 512, 64, 64
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
@@ -709,14 +733,15 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype) -> None:
     row = finite.repeat(3)[: L + R]
     data = torch.full((2, page, L + R), math.nan, device="cuda").to(FP8)
     data[1, 0] = row.cuda()
-    q = torch.randn(1, 16, L + R, device="cuda").to(dtype)
+    q = torch.randn(1, num_heads, L + R, device="cuda").to(dtype)
     args = (q, data, torch.tensor(1.0, device="cuda"),
             torch.tensor([[1]], dtype=torch.int32, device="cuda"),
             torch.tensor([1], dtype=torch.int32, device="cuda"),
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, 1, L, (L + R) ** -0.5)
-    assert hopper_kernel(q, data, 16, L) is decode_hopper
+    kernel = decode_hopper if num_heads == 16 else decode_hopper_heads
+    assert hopper_kernel(q, data, num_heads, L) is kernel
     out = mla_decode(*args)[0]
-    want = row[:L].float().cuda().expand(16, L)
+    want = row[:L].float().cuda().expand(num_heads, L)
     assert torch.equal(out[0].float(), want)
 
 

@@ -15,7 +15,7 @@ positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 6
 
 On a Hopper GPU, stage 1 runs as a warp-specialized Gluon kernel instead, with the same
 outputs: `decode_hopper` for at most 16 query rows per request (the memory-bound
-regime), `decode_hopper_heads` for more (64 rows per program, 16-bit cache). A producer
+regime), `decode_hopper_heads` for more (64 rows per program). A producer
 warp streams the tiles while warpgroups compute, which plain Triton's software pipeline
 cannot express (see those modules).
 
@@ -114,9 +114,9 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
     "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),
     "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True, hopper=True),
-    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1),
+    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1, hopper=True),
     "rows64": DecodeConfig(64, 64, 8, 2, 512, 1, prefetch=2, hopper=True),
-    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1, paged=False),
+    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 512, 1, paged=False, hopper=True),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
 }

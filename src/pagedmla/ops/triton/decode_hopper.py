@@ -23,8 +23,8 @@ registers. Rows at or past the slice end are zeroed on the way (slots past seq_l
 hold NaN, and 0 x NaN reaches the output); with a 16-bit cache only the slice's last,
 partial tile is zeroed, in place.
 
-The producer, the zeroing and the descriptors are shared with `decode_hopper_heads`
-(64 query rows per program, for the compute-bound regime).
+The producer, the widening, the zeroing and the descriptors are shared with
+`decode_hopper_heads` (64 query rows per program, for the compute-bound regime).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
 
 
 @gluon.jit
-def _tile_row(table_row, start, PAGE: gl.constexpr):
+def tile_row(table_row, start, PAGE: gl.constexpr):
     """Cache row of position `start` (int32: the cache holds fewer than 2**31 rows)."""
     return gl.load(table_row + start // PAGE) * PAGE + start % PAGE
 
@@ -80,11 +80,11 @@ def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, 
     HALF_L: gl.constexpr = ring_a.type.shape[2]
     nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
     last = lo + (num_tiles - 1) * TILE_N
-    row = _tile_row(table_row, gl.minimum(lo, last), PAGE)
+    row = tile_row(table_row, gl.minimum(lo, last), PAGE)
     for i in range(num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
-        row_next = _tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
+        row_next = tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
@@ -110,8 +110,8 @@ def _widen(ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty,
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         mbarrier.wait(wide_empty.index(w), ((i // 2) & 1) ^ 1)
         start = lo + i * TILE_N
-        _widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
-        _widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
+        widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
+        widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
         # Order the reads before the producer's next copy into the ring buffer, and
         # the stores before the products' reads (both through the async proxy).
         fence_async_shared()
@@ -172,7 +172,7 @@ def _load_e4m3(src, start, hi, layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _widen_rows(src, dst, start, hi, layout: gl.constexpr):
+def widen_rows(src, dst, start, hi, layout: gl.constexpr):
     """dst (16-bit) = src (e4m3), rows at positions >= hi zero."""
     dst.store(_load_e4m3(src, start, hi, layout, dst.dtype))
 
@@ -410,18 +410,19 @@ def _decode_partial_ws_kernel(
     gl.store(lse_at, lse, mask=r_st < num_rows)
 
 
-def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+def page_descriptors(data: torch.Tensor, L: int, block_n: int = BLOCK_N,
+                     ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Bulk-copy descriptors over the cache `data` [num_blocks, page, L + R] viewed as
-    [pages x page, L + R] rows: [BLOCK_N, L / 2] boxes for the latent halves and
-    [BLOCK_N, R] boxes for the rope part, in the swizzled layouts wgmma reads."""
+    [pages x page, L + R] rows: [block_n, L / 2] boxes for the latent halves and
+    [block_n, R] boxes for the rope part, in the swizzled layouts wgmma reads."""
     num_blocks, page, width = data.shape
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
     dtype = _GL_DTYPES[data.dtype]
-    latent_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L // 2], dtype)
-    rope_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, width - L], dtype)
-    return (TensorDescriptor(data, rows, strides, [BLOCK_N, L // 2], latent_layout),
-            TensorDescriptor(data, rows, strides, [BLOCK_N, width - L], rope_layout))
+    latent_layout = gl.NVMMASharedLayout.get_default_for([block_n, L // 2], dtype)
+    rope_layout = gl.NVMMASharedLayout.get_default_for([block_n, width - L], dtype)
+    return (TensorDescriptor(data, rows, strides, [block_n, L // 2], latent_layout),
+            TensorDescriptor(data, rows, strides, [block_n, width - L], rope_layout))
 
 
 def decode_partial(

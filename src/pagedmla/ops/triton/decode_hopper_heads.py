@@ -3,7 +3,7 @@
 Same contract as `decode._decode_partial_kernel` (one program per head group, split and
 request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
-data-parallel attention), 16-bit cache, page size a multiple of 64.
+data-parallel attention), page size a multiple of 64 (16-bit cache) or 32 (fp8).
 
 With 64 query rows the products are the direct ones, S = Q K^T [64, 64] over all L + R
 columns and O += P V [64, L], and they do not fit one warpgroup: O alone is 128 KB of
@@ -20,6 +20,13 @@ The score warpgroup starts on tile i + 1 while the output warpgroups multiply ti
 so the tensor cores always hold both kinds of product. q (72 KB), the ring (2 x 72 KB)
 and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded by a
 `p_ready` / `p_free` mbarrier pair.
+
+An fp8 cache needs its tiles widened to 16 bits before either product (Hopper's 8-bit
+wgmma takes only K-major operands, and V is not), and the widened copies need room: the
+tiles are 32 positions. A widening warpgroup replaces the producer: it copies e4m3
+tiles into a ring of two (18 KB each), widens each into one of three 16-bit buffers
+(36 KB each, rows past the slice end zeroed) and refills the ring buffer it just read.
+q 72 KB + 36 + 108 + P 4 KB = 220 KB.
 """
 
 from __future__ import annotations
@@ -30,43 +37,106 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
     page_descriptors,
     produce_tiles,
+    tile_row,
+    widen_rows,
     zero_rows,
 )
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
+FP8_BLOCK_N = 32  # positions per fp8 tile (room for the widened copies)
+FP8_STAGES = 2  # e4m3 ring buffers
+FP8_WIDE = 3  # 16-bit buffers the products read
+# Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
+# that the output warpgroups get 160 (the default partition takes what is left).
+FP8_WORKER_REGS = gl.constexpr(96)
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
     """Whether this kernel takes the call: a Hopper GPU, DeepSeek widths (L = 512,
     R = 64), more than 16 query rows per request, a bf16/fp16 q with a cache of the
-    same dtype, and pages the copy engine can read in whole 64-row tiles."""
+    same dtype or fp8, and pages the copy engine can read in whole tiles (64 rows, fp8
+    32)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
+    block_n = FP8_BLOCK_N if data.dtype == FP8_DTYPE else BLOCK_N
     return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
-            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == q.dtype
-            and tiles_copyable(data, BLOCK_N))
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, block_n))
+
+
+@gluon.jit
+def _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, bar, slot, row):
+    """Bulk-copy the e4m3 tile at cache row `row` into ring buffer `slot`."""
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(latent_desc, [row, 0], bar, ring_a.index(slot))
+    tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar, ring_b.index(slot))
+    tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar, ring_r.index(slot))
+
+
+@gluon.jit
+def _widen_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, wide_a, wide_b,
+                 wide_r, wide_ready, wide_empty, table_row, lo, hi, num_tiles,
+                 PAGE: gl.constexpr):
+    """Widening warpgroup (fp8 cache), which is also the producer: tile i is copied into
+    ring buffer i % STAGES, widened into wide buffer i % WIDE (rows at positions >= hi
+    zero), and the ring buffer is refilled with tile i + STAGES at once (its block-table
+    entry is loaded before the waits)."""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    STAGES: gl.constexpr = ring_a.type.shape[0]
+    WIDE: gl.constexpr = wide_a.type.shape[0]
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    last = lo + (num_tiles - 1) * TILE_N
+    for k in gl.static_range(STAGES):
+        if k < num_tiles:
+            _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(k), k,
+                       tile_row(table_row, lo + k * TILE_N, PAGE))
+    for i in range(num_tiles):
+        slot = i % STAGES
+        w = i % WIDE
+        start = lo + i * TILE_N
+        row_next = tile_row(table_row, gl.minimum(start + STAGES * TILE_N, last), PAGE)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        # A fresh mbarrier counts as having completed the phase before phase 0.
+        mbarrier.wait(wide_empty.index(w), ((i // WIDE) & 1) ^ 1)
+        widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
+        widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
+        widen_rows(ring_r.index(slot), wide_r.index(w), start, hi, rows)
+        # Order the reads before the copy into the ring buffer, and the stores before
+        # the products' reads (both through the async proxy).
+        fence_async_shared()
+        mbarrier.arrive(wide_ready.index(w), count=1)
+        if i + STAGES < num_tiles:
+            _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(slot),
+                       slot, row_next)
 
 
 @gluon.jit
 def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
            l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len, num_heads, group,
-           qk_scale, STAGES: gl.constexpr):
+           qk_scale, ZERO_TAIL: gl.constexpr):
     """Score warpgroup: S = Q K^T per tile, online softmax (base 2), P and alpha to the
-    output warpgroups. The slice's last, partial tile is zeroed in place first (its
-    slots past seq_len may hold NaN, and the output warpgroups read it as V). At the
-    end the running max and sum go to m_smem and l_smem."""
+    output warpgroups. Tile i is in buffer i % NBUF of ring_a / ring_b / ring_r (the
+    copies, or with fp8 the widened copies), signalled by `ready`. ZERO_TAIL: the
+    slice's last, partial tile is zeroed in place first (its slots past seq_len may hold
+    NaN, and the output warpgroups read it as V; the fp8 widener zeroes them itself).
+    At the end the running max and sum go to m_smem and l_smem."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
+    NBUF: gl.constexpr = ring_a.type.shape[0]
     ROWS: gl.constexpr = q_a.type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16])
@@ -78,13 +148,13 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
     s_init = gl.zeros([ROWS, TILE_N], gl.float32, mma)
     for i in range(num_tiles):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        slot = i % NBUF
+        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
         start = lo + i * TILE_N
         k_a = ring_a.index(slot)
         k_b = ring_b.index(slot)
         k_r = ring_r.index(slot)
-        if start + TILE_N > hi:
+        if ZERO_TAIL and start + TILE_N > hi:
             zero_rows(k_a, start, hi, rows)
             zero_rows(k_b, start, hi, rows)
             zero_rows(k_r, start, hi, rows)
@@ -117,20 +187,22 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
 
 @gluon.jit
 def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
-                num_tiles, STAGES: gl.constexpr, mma: gl.constexpr):
+                num_tiles, mma: gl.constexpr):
     """Output warpgroups (the default partition, two warpgroups splitting the columns):
-    O = alpha O + P V per tile, V being the latent halves in ring_a / ring_b.
+    O = alpha O + P V per tile, V being the latent halves in buffer i % NBUF of ring_a /
+    ring_b, released through `empty` after the products.
 
     Returns acc_a, acc_b [ROWS, L / 2] (unnormalised)."""
     ROWS: gl.constexpr = p_smem.type.shape[0]
     HALF_L: gl.constexpr = ring_a.type.shape[2]
+    NBUF: gl.constexpr = ring_a.type.shape[0]
     acc_a = gl.zeros([ROWS, HALF_L], gl.float32, mma)
     acc_b = gl.zeros([ROWS, HALF_L], gl.float32, mma)
     for i in range(num_tiles):
-        slot = i % STAGES
+        slot = i % NBUF
         # The score warpgroup saw the copy complete too; this wait is what orders
         # these warps' reads after it.
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
         mbarrier.wait(p_ready, i & 1)
         alpha = alpha_smem.load(gl.SliceLayout(1, mma))[:, None]
         acc_a = warpgroup_mma(p_smem, ring_a.index(slot), acc_a * alpha, is_async=True)
@@ -143,21 +215,23 @@ def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_fre
 
 @gluon.jit
 def _decode_heads_kernel(
-    q_ptr, latent_desc, rope_desc, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    out_ptr, lse_ptr,
+    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
+    query_start_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh,
     stride_bt,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh, stride_ls,
     num_heads, num_splits, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+    MIN_CHUNK: gl.constexpr, CHUNK_ALIGN: gl.constexpr, STAGES: gl.constexpr,
+    WIDE: gl.constexpr, IS_FP8: gl.constexpr, DIRECT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """One (head group of BLOCK_H rows, split, request), as
     `decode._decode_partial_kernel`, with the tiles copied through latent_desc
     ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache viewed as
-    [pages x PAGE, L + R] rows. num_warps = 8: the two output warpgroups."""
+    [pages x PAGE, L + R] rows. Splits are whole CHUNK_ALIGN positions (the combine's
+    alignment, a multiple of TILE_N). num_warps = 8: the two output warpgroups."""
     TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     group = gl.program_id(0)
@@ -170,7 +244,7 @@ def _decode_heads_kernel(
 
     # The slice: positions [lo, hi) (see decode._split_range and the Triton kernel).
     chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
-    chunk = gl.cdiv(chunk, TILE_N) * TILE_N
+    chunk = gl.cdiv(chunk, CHUNK_ALIGN) * CHUNK_ALIGN
     lo = split * chunk
     last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
     hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
@@ -199,9 +273,21 @@ def _decode_heads_kernel(
     for k in gl.static_range(STAGES):
         mbarrier.init(ready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
-    mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
-    mbarrier.init(done, count=1)
+    for k in gl.static_range(3):
+        mbarrier.init(handoff.index(k), count=1)
+    if IS_FP8:  # the 16-bit copies the products read
+        wide_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HALF_L],
+                                                                         compute)
+        wide_a = gl.allocate_shared_memory(compute, [WIDE, TILE_N, HALF_L], wide_layout)
+        wide_b = gl.allocate_shared_memory(compute, [WIDE, TILE_N, HALF_L], wide_layout)
+        wide_r = gl.allocate_shared_memory(
+            compute, [WIDE, TILE_N, R], gl.NVMMASharedLayout.get_default_for([TILE_N, R],
+                                                                              compute))
+        wide_ready = gl.allocate_shared_memory(gl.int64, [WIDE, 1], mbarrier.MBarrierLayout())
+        wide_empty = gl.allocate_shared_memory(gl.int64, [WIDE, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(WIDE):
+            mbarrier.init(wide_ready.index(k), count=1)
+            mbarrier.init(wide_empty.index(k), count=1)
 
     # q rows of this program (row r: token r // N, head r % N), zero past num_rows.
     r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
@@ -230,23 +316,44 @@ def _decode_heads_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
     fence_async_shared()
 
-    qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
+    # Scores in base 2; an fp8 cache stores x / scale, so the scale multiplies the
+    # scores here and the output below.
+    qk_scale = softmax_scale * 1.4426950408889634
+    if IS_FP8:
+        kv_scale = gl.load(scale_ptr)
+        qk_scale = qk_scale * kv_scale
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
-    acc_a, acc_b = gl.warp_specialize([
-        (_accumulate, (ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
-                       num_tiles, STAGES, mma)),
-        (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
-                  l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len,
-                  num_heads, group, qk_scale, STAGES)),
-        (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, num_tiles, PAGE, STAGES)),
-    ], [4, 1], [128, 24])
+    # (Argument tuples written out in each call: a tuple held in a variable would turn
+    # the constexpr layouts into tensors.)
+    if IS_FP8:
+        acc_a, acc_b = gl.warp_specialize([
+            (_accumulate, (wide_a, wide_b, wide_ready, wide_empty, p_smem, alpha_smem,
+                           p_ready, p_free, num_tiles, mma)),
+            (_score, (wide_a, wide_b, wide_r, wide_ready, q_a, q_b, q_r, p_smem, alpha_smem,
+                      m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
+                      q_len, num_heads, group, qk_scale, False)),
+            (_widen_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, wide_a,
+                            wide_b, wide_r, wide_ready, wide_empty, table_row, lo, hi,
+                            num_tiles, PAGE)),
+        ], [4, 4], [FP8_WORKER_REGS, FP8_WORKER_REGS])
+    else:
+        acc_a, acc_b = gl.warp_specialize([
+            (_accumulate, (ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
+                           num_tiles, mma)),
+            (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
+                      m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
+                      q_len, num_heads, group, qk_scale, True)),
+            (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                             table_row, lo, num_tiles, PAGE, STAGES)),
+        ], [4, 1], [128, 24])
 
     mbarrier.wait(done, 0)
     m_i = m_smem.load(gl.SliceLayout(1, mma))
     l_i = l_smem.load(gl.SliceLayout(1, mma))
     has_key = l_i > 0.0
     norm = 1.0 / gl.where(has_key, l_i, 1.0)
+    if IS_FP8:
+        norm = norm * kv_scale
     lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # natural log
     r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
@@ -276,14 +383,16 @@ def decode_partial(
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, num_splits,
     B), head_groups = ceil(N * max_query_len / BLOCK_H).
 
-    q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype: `scale` is unused, the
-    launchers share one signature); part_out / part_lse as in `decode.mla_decode` (the
-    final out [T, N, L] and lse [N, T] when `direct`)."""
-    latent_desc, rope_desc = page_descriptors(data, L)
+    q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
+    [] float32); part_out / part_lse as in `decode.mla_decode` (the final out [T, N, L]
+    and lse [N, T] when `direct`)."""
+    is_fp8 = data.dtype == FP8_DTYPE
+    latent_desc, rope_desc = page_descriptors(data, L, FP8_BLOCK_N if is_fp8 else BLOCK_N)
     _decode_heads_kernel[(head_groups, num_splits, seq_lens.shape[0])](
-        q, latent_desc, rope_desc, block_table, seq_lens, query_start_loc, part_out, part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
+        q, latent_desc, rope_desc, scale, block_table, seq_lens, query_start_loc, part_out,
+        part_lse, q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
         q.shape[1], num_splits, float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
-        STAGES=STAGES, DIRECT=direct, num_warps=8,
+        CHUNK_ALIGN=BLOCK_N, STAGES=FP8_STAGES if is_fp8 else STAGES,
+        WIDE=FP8_WIDE if is_fp8 else 1, IS_FP8=is_fp8, DIRECT=direct, num_warps=8,
     )
