@@ -69,6 +69,81 @@ def tile_row(table_row, start, PAGE: gl.constexpr):
 
 
 @gluon.jit
+def program_slice(seq_lens_ptr, query_start_ptr, num_heads, num_splits,
+                  BLOCK_H: gl.constexpr, MIN_CHUNK: gl.constexpr, ALIGN: gl.constexpr,
+                  TILE_N: gl.constexpr):
+    """Where this program works: its (head group, split, request) from the grid; the
+    request's seq_len, first token, q_len and query rows (q_len x N); and its slice of
+    positions [lo, hi) in num_tiles tiles of TILE_N. Splits are whole ALIGN positions,
+    as `decode._split_range`; a slice stops at the last position any of the program's
+    rows sees (bottom-right causal), and is empty for a group past the rows."""
+    group = gl.program_id(0)
+    split = gl.program_id(1)
+    req = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + req)
+    q_begin = gl.load(query_start_ptr + req)
+    q_len = gl.load(query_start_ptr + req + 1) - q_begin
+    num_rows = q_len * num_heads
+    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
+    chunk = gl.cdiv(chunk, ALIGN) * ALIGN
+    lo = split * chunk
+    last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
+    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+    return group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+
+
+@gluon.jit
+def allocate_ring(latent_desc, rope_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """The ring of tile buffers in the copies' layouts, latent halves [STAGES, TILE_N,
+    L / 2] x 2 and rope [STAGES, TILE_N, R], with a `ready` mbarrier per buffer (the
+    copy's) and an `empty` one (EMPTY_ARRIVALS readers let go of it)."""
+    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    R: gl.constexpr = rope_desc.block_type.shape[1]
+    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
+                                       latent_desc.layout)
+    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
+                                       rope_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(STAGES):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(empty.index(k), count=EMPTY_ARRIVALS)
+    return ring_a, ring_b, ring_r, ready, empty
+
+
+@gluon.jit
+def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+           BLOCK_H: gl.constexpr, L: gl.constexpr, HALF_L: gl.constexpr, R: gl.constexpr,
+           rows: gl.constexpr):
+    """The program's q rows (row r: token r // N, head r % N; zero past num_rows) in
+    shared memory for wgmma: [BLOCK_H, HALF_L] x 2 and [BLOCK_H, R]."""
+    compute: gl.constexpr = q_ptr.dtype.element_ty
+    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
+    r_ok = r_idx < num_rows
+    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
+              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
+    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
+    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
+    q_a = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_b = gl.allocate_shared_memory(
+        compute, [BLOCK_H, HALF_L], q_layout,
+        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
+    q_r = gl.allocate_shared_memory(
+        compute, [BLOCK_H, R], q_r_layout,
+        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+    return q_a, q_b, q_r
+
+
+@gluon.jit
 def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
                   lo, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp: copy tile i into ring buffer i % STAGES once it is free.
@@ -178,12 +253,24 @@ def widen_rows(src, dst, start, hi, layout: gl.constexpr):
 
 
 @gluon.jit
-def zero_rows(buf, start, hi, layout: gl.constexpr):
+def _zero_rows(buf, start, hi, layout: gl.constexpr):
     """Set the rows of buf at positions >= hi to zero, in place."""
     TILE_N: gl.constexpr = buf.type.shape[0]
     x = buf.load(layout)
     pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
     buf.store(gl.where((pos < hi)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def zero_tail(k_a, k_b, k_r, start, hi, layout: gl.constexpr):
+    """Zero, in place, the rows at positions >= hi of a 16-bit tile (its latent halves
+    and rope part), then order the stores before the products' reads. Only the slice's
+    last, partial tile has such rows: slots past seq_len may hold NaN, and 0 x NaN would
+    reach the output."""
+    _zero_rows(k_a, start, hi, layout)
+    _zero_rows(k_b, start, hi, layout)
+    _zero_rows(k_r, start, hi, layout)
+    fence_async_shared()
 
 
 @gluon.jit
@@ -224,11 +311,8 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready, w
             k_a = ring_a.index(slot)
             k_b = ring_b.index(slot)
             k_r = ring_r.index(slot)
-            if start + TILE_N > hi:  # the slice's last, partial tile
-                zero_rows(k_a, start, hi, rows)
-                zero_rows(k_b, start, hi, rows)
-                zero_rows(k_r, start, hi, rows)
-                fence_async_shared()
+            if start + TILE_N > hi:
+                zero_tail(k_a, k_b, k_r, start, hi, rows)
         s = warpgroup_mma(k_a, q_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(k_b, q_b.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_r, q_r.permute((1, 0)), s, is_async=True)
@@ -276,22 +360,9 @@ def _decode_partial_ws_kernel(
     over the cache viewed as [pages x PAGE, L + R] rows."""
     TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
-    group = gl.program_id(0)
-    split = gl.program_id(1)
-    req = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + req)
-    q_begin = gl.load(query_start_ptr + req)
-    q_len = gl.load(query_start_ptr + req + 1) - q_begin
-    num_rows = q_len * num_heads
-
-    # The slice: positions [lo, hi) (see decode._split_range and the Triton kernel).
-    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
-    chunk = gl.cdiv(chunk, TILE_N) * TILE_N
-    lo = split * chunk
-    last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
-    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
-    hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+    group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
+        seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK, TILE_N,
+        TILE_N)
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -299,37 +370,11 @@ def _decode_partial_ws_kernel(
     # 8 elements (16 bytes of a 16-bit type) per thread along the row.
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
-                                       rope_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(STAGES):
-        mbarrier.init(ready.index(k), count=1)
-        # fp8: a ring buffer is free once both the widener and the consumer read it.
-        mbarrier.init(empty.index(k), count=2 if IS_FP8 else 1)
-
-    # q rows of this program (row r: token r // N, head r % N), zero past num_rows.
-    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
-    r_ok = r_idx < num_rows
-    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
-              + (r_idx % num_heads).to(gl.int64) * stride_qh)
-    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
-    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
-    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
-    q_a = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
-    q_b = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
-    q_r = gl.allocate_shared_memory(
-        compute, [BLOCK_H, R], q_r_layout,
-        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+    # fp8: a ring buffer is free once both the widener and the consumer read it.
+    ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES,
+                                                         2 if IS_FP8 else 1)
+    q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+                           BLOCK_H, L, HALF_L, R, rows)
     p_smem = gl.allocate_shared_memory(
         compute, [TILE_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_H], compute))

@@ -47,11 +47,14 @@ from pagedmla.ops.triton.decode import tiles_copyable
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
+    allocate_ring,
+    load_q,
     page_descriptors,
     produce_tiles,
+    program_slice,
     tile_row,
     widen_rows,
-    zero_rows,
+    zero_tail,
 )
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
@@ -155,10 +158,7 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
         k_b = ring_b.index(slot)
         k_r = ring_r.index(slot)
         if ZERO_TAIL and start + TILE_N > hi:
-            zero_rows(k_a, start, hi, rows)
-            zero_rows(k_b, start, hi, rows)
-            zero_rows(k_r, start, hi, rows)
-            fence_async_shared()
+            zero_tail(k_a, k_b, k_r, start, hi, rows)
         s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
@@ -234,22 +234,9 @@ def _decode_heads_kernel(
     alignment, a multiple of TILE_N). num_warps = 8: the two output warpgroups."""
     TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
-    group = gl.program_id(0)
-    split = gl.program_id(1)
-    req = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + req)
-    q_begin = gl.load(query_start_ptr + req)
-    q_len = gl.load(query_start_ptr + req + 1) - q_begin
-    num_rows = q_len * num_heads
-
-    # The slice: positions [lo, hi) (see decode._split_range and the Triton kernel).
-    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
-    chunk = gl.cdiv(chunk, CHUNK_ALIGN) * CHUNK_ALIGN
-    lo = split * chunk
-    last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
-    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
-    hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+    group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
+        seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK,
+        CHUNK_ALIGN, TILE_N)
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     # The output accumulators: each warpgroup owns half of every [BLOCK_H, L / 2] half.
@@ -258,21 +245,11 @@ def _decode_heads_kernel(
         instr_shape=[16, HALF_L // (num_warps // 4), 16])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
-                                       rope_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES, 1)
     handoff = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     p_ready = handoff.index(0)  # P and alpha of the next tile are written
     p_free = handoff.index(1)  # the output warpgroups are done with them
     done = handoff.index(2)  # the final m and l are in m_smem / l_smem
-    for k in gl.static_range(STAGES):
-        mbarrier.init(ready.index(k), count=1)
-        mbarrier.init(empty.index(k), count=1)
     for k in gl.static_range(3):
         mbarrier.init(handoff.index(k), count=1)
     if IS_FP8:  # the 16-bit copies the products read
@@ -289,24 +266,8 @@ def _decode_heads_kernel(
             mbarrier.init(wide_ready.index(k), count=1)
             mbarrier.init(wide_empty.index(k), count=1)
 
-    # q rows of this program (row r: token r // N, head r % N), zero past num_rows.
-    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
-    r_ok = r_idx < num_rows
-    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
-              + (r_idx % num_heads).to(gl.int64) * stride_qh)
-    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
-    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
-    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
-    q_a = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
-    q_b = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
-    q_r = gl.allocate_shared_memory(
-        compute, [BLOCK_H, R], q_r_layout,
-        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+    q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+                           BLOCK_H, L, HALF_L, R, rows)
     p_smem = gl.allocate_shared_memory(
         compute, [BLOCK_H, TILE_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], compute))
