@@ -620,14 +620,46 @@ def test_decode_gpu_long_context(num_heads: int, seq_len: int, cache: str) -> No
 @pytest.mark.parametrize("num_rows", [16, 128])
 def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
     # The Gluon modules import with the installed Triton (CI: the CPU build), and the
-    # dispatcher never hands them CPU tensors (the interpreter cannot run Gluon).
+    # dispatcher never hands them CPU tensors (the interpreter cannot run Gluon), even
+    # where the shapes suit them.
     from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
 
     q = torch.zeros(1, num_rows, 576, dtype=torch.bfloat16)
     data = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    assert not decode_hopper.supported(q, data, num_rows, 512)
-    assert not decode_hopper_heads.supported(q, data, num_rows, 512)
+    module = decode_hopper if num_rows <= 16 else decode_hopper_heads
+    assert module.supported(q, data, num_rows, 512)
     assert hopper_kernel(q, data, num_rows, 512) is None
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "cache", "page", "num_rows", "L", "takes"),
+    [
+        (torch.bfloat16, torch.bfloat16, 64, 16, 512, "16"),
+        (torch.float16, FP8, 128, 1, 512, "16"),
+        (torch.bfloat16, FP8, 32, 16, 512, None),  # 16-row kernel: 64-position tiles
+        (torch.bfloat16, torch.bfloat16, 64, 17, 512, "64"),
+        (torch.bfloat16, torch.bfloat16, 128, 128, 512, "64"),
+        (torch.bfloat16, FP8, 32, 128, 512, "64"),  # fp8: 32-position tiles
+        (torch.bfloat16, torch.bfloat16, 32, 128, 512, None),
+        (torch.bfloat16, FP8, 16, 128, 512, None),
+        (torch.float16, torch.bfloat16, 64, 128, 512, None),  # cache dtype != q dtype
+        (torch.float32, torch.float32, 64, 128, 512, None),
+        (torch.bfloat16, torch.bfloat16, 64, 128, 256, None),  # not DeepSeek widths
+    ],
+)
+def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: int,
+                              num_rows: int, L: int, takes: str | None) -> None:
+    # Which Gluon kernel (if any) takes a call on a Hopper GPU, from the shapes alone:
+    # the 16-row kernel up to 16 query rows, the 64-row one above; 16-bit q; a cache of
+    # q's dtype or fp8; pages holding whole tiles.
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
+
+    q = torch.zeros(1, num_rows, L + 64, dtype=q_dtype)
+    data = torch.zeros(3, page, L + 64).to(cache)
+    chosen = [m for m in (decode_hopper, decode_hopper_heads)
+              if m.supported(q, data, num_rows, L)]
+    want = {None: [], "16": [decode_hopper], "64": [decode_hopper_heads]}[takes]
+    assert chosen == want
 
 
 @pytest.mark.cuda

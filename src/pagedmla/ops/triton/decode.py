@@ -539,9 +539,10 @@ def _decode_combine_kernel(
 def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
     """The Gluon module whose warp-specialized stage 1 takes this call on a Hopper GPU:
     `decode_hopper` for at most 16 query rows per request, `decode_hopper_heads` for
-    more; None where neither supports it (and always under the interpreter, or where
-    Triton lacks Gluon)."""
-    if INTERPRETED or q.device.type != "cuda":
+    more; None where neither supports it (and always off Hopper, under the interpreter,
+    or where Triton lacks Gluon)."""
+    if (INTERPRETED or q.device.type != "cuda"
+            or torch.cuda.get_device_capability(q.device)[0] != 9):
         return None
     try:
         from pagedmla.ops.triton import decode_hopper, decode_hopper_heads

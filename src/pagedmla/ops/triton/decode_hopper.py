@@ -52,11 +52,10 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, DeepSeek widths (L = 512,
-    R = 64), 16-bit q, a 16-bit cache of q's dtype or fp8, at most BLOCK_H query rows
-    per request, and pages the copy engine can read in whole 64-row tiles."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
+    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
+    checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a 16-bit cache of
+    q's dtype or fp8, at most BLOCK_H query rows per request, and pages the copy engine
+    can read in whole 64-row tiles."""
     return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
             and q.dtype in (torch.bfloat16, torch.float16)
             and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, BLOCK_N))

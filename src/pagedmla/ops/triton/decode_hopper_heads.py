@@ -68,12 +68,10 @@ FP8_WORKER_REGS = gl.constexpr(96)
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, DeepSeek widths (L = 512,
-    R = 64), more than 16 query rows per request, a bf16/fp16 q with a cache of the
-    same dtype or fp8, and pages the copy engine can read in whole tiles (64 rows, fp8
-    32)."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
+    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
+    checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
+    request, a bf16/fp16 q with a cache of the same dtype or fp8, and pages the copy
+    engine can read in whole tiles (64 rows, fp8 32)."""
     block_n = FP8_BLOCK_N if data.dtype == FP8_DTYPE else BLOCK_N
     return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
             and q.dtype in (torch.bfloat16, torch.float16)
