@@ -289,24 +289,29 @@ def check_all() -> list[str]:
 
 def check_graph_replay() -> list[str]:
     """Capture decode in a CUDA graph with short contexts, replay with 100k-token ones:
-    the split plan comes from max_seq_len (host) and the lengths are read on the device."""
+    the split plan comes from max_seq_len (host) and the lengths are read on the device.
+    16 heads (the 16-row kernel on Hopper) and 128 (the 64-row one), bf16 and fp8."""
     log: list[str] = []
-    batch, heads, long_ctx = 4, 16, 100_000
-    args = list(decode_inputs(batch, heads, long_ctx, seed=3))
-    seq_lens = args[4]
-    seq_lens.fill_(37)
-    mla_decode(*args)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = mla_decode(*args)
-    for value in (37, 5000, long_ctx):
-        seq_lens.fill_(value)
-        graph.replay()
-        want, want_lse = ref.mla_decode(*args)
-        _expect(f"graph replay ctx={value} out", _rel(out, want), 1e-2, log)
-        _expect(f"graph replay ctx={value} lse", (lse - want_lse).abs().max().item(), 2e-3,
-                log)
+    batch, long_ctx = 4, 100_000
+    for heads, cache in ((16, torch.bfloat16), (128, torch.bfloat16), (128, FP8)):
+        args = list(decode_inputs(batch, heads, long_ctx, cache=cache, seed=3))
+        seq_lens = args[4]
+        seq_lens.fill_(37)
+        mla_decode(*args)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = mla_decode(*args)
+        name = f"graph replay N={heads} {'fp8' if cache == FP8 else 'bf16'}"
+        for value in (37, 5000, long_ctx):
+            seq_lens.fill_(value)
+            graph.replay()
+            want, want_lse = ref.mla_decode(*args)
+            _expect(f"{name} ctx={value} out", _rel(out, want), 1e-2, log)
+            _expect(f"{name} ctx={value} lse", (lse - want_lse).abs().max().item(), 2e-3,
+                    log)
+        del args, graph, out, lse
+        torch.cuda.empty_cache()
     return log
 
 
