@@ -23,8 +23,9 @@ registers. Rows at or past the slice end are zeroed on the way (slots past seq_l
 hold NaN, and 0 x NaN reaches the output); with a 16-bit cache only the slice's last,
 partial tile is zeroed, in place.
 
-The producer, the widening, the zeroing and the descriptors are shared with
-`decode_hopper_heads` (64 query rows per program, for the compute-bound regime).
+The program's slice, the ring, the q load, the producer, the widening, the tail zeroing
+and the descriptors are shared with `decode_hopper_heads` (64 query rows per program,
+for the compute-bound regime).
 """
 
 from __future__ import annotations
