@@ -49,16 +49,25 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int):  # queried once per GPU: callers are on the step path
+    return torch.cuda.get_device_properties(index)
+
+
+def _properties(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_properties(index)
 
 
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (a small constant for the interpreter)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_sm_count(index)
+    return _properties(device).multi_processor_count
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.x)."""
+    return device.type == "cuda" and _properties(device).major == 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -48,6 +48,7 @@ from pagedmla.ops.triton._utils import (
     cdiv,
     check_device,
     dot_precision,
+    is_hopper,
     last_dim_contiguous,
     multiprocessor_count,
     next_pow2,
@@ -541,8 +542,7 @@ def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
     `decode_hopper` for at most 16 query rows per request, `decode_hopper_heads` for
     more; None where neither supports it (and always off Hopper, under the interpreter,
     or where Triton lacks Gluon)."""
-    if (INTERPRETED or q.device.type != "cuda"
-            or torch.cuda.get_device_capability(q.device)[0] != 9):
+    if INTERPRETED or not is_hopper(q.device):
         return None
     try:
         from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
