@@ -83,7 +83,8 @@ runnable = pytest.mark.skipif(
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 hopper = pytest.mark.skipif(
     not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
-    reason="the warp-specialized decode kernels (decode_hopper*) need a Hopper GPU")
+    reason="the warp-specialized Gluon kernels (decode_hopper*, prefill_hopper) need a "
+    "Hopper GPU")
 
 # Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
 TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
@@ -786,6 +787,83 @@ def test_varlen_gpu(qk: int, dv: int, num_heads: int, causal: bool) -> None:
     q_lens = [0, 1, 300, 1029]
     k_lens = q_lens if causal else [5, 0, 2000, 1029]
     _check_varlen(q_lens, k_lens, num_heads, qk, dv, torch.bfloat16, causal, seed=500)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "qk", "dv", "heads", "view", "takes"),
+    [
+        (torch.bfloat16, 192, 128, 16, "kv", True),  # DeepSeek: k, v views of one buffer
+        (torch.float16, 128, 128, 4, "kv", True),
+        (torch.bfloat16, 256, 256, 2, "kv", True),
+        (torch.bfloat16, 64, 64, 1, "kv", True),
+        (torch.float32, 192, 128, 16, "kv", False),
+        (torch.bfloat16, 48, 24, 2, "kv", False),  # head dims the copy boxes do not cover
+        (torch.bfloat16, 192, 96, 2, "kv", False),
+        (torch.bfloat16, 192, 128, 16, "odd-stride", False),  # head stride not 16 bytes
+    ],
+)
+def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, heads: int,
+                                      view: str, takes: bool) -> None:
+    # Which calls the Gluon prefill kernel takes on a Hopper GPU, from the tensors alone,
+    # and that the dispatcher never hands it CPU tensors.
+    from pagedmla.ops.triton import prefill_hopper
+    from pagedmla.ops.triton.prefill import hopper_kernel as prefill_kernel
+
+    pad = 4 if view == "odd-stride" else 0
+    q = torch.zeros(5, heads, qk, dtype=dtype)
+    kv = torch.zeros(7, heads, qk + dv + pad, dtype=dtype)
+    k, v = kv[..., :qk], kv[..., qk:qk + dv]
+    assert prefill_hopper.supported(q, k, v) is takes
+    assert prefill_kernel(q, k, v) is None
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize(("qk", "dv"), [(192, 128), (128, 128), (256, 256), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_heads", [1, 16])
+def test_varlen_gpu_hopper_kernel(qk: int, dv: int, dtype: torch.dtype, causal: bool,
+                                  num_heads: int) -> None:
+    # The warp-specialized prefill kernel: lengths 0 and 1, one tile exactly, one past
+    # it, several tiles with a partial last one; query blocks of 128 rows spilling into
+    # the next sequence; unmasked context with more or fewer keys than queries.
+    from pagedmla.ops.triton import prefill_hopper
+    from pagedmla.ops.triton.prefill import hopper_kernel as prefill_kernel
+
+    q_lens = [0, 1, 128, 129, 64, 700]
+    k_lens = q_lens if causal else [5, 0, 300, 129, 1000, 77]
+    q = torch.empty(1, num_heads, qk, dtype=dtype, device="cuda")
+    kv = torch.empty(1, num_heads, qk + dv, dtype=dtype, device="cuda")
+    assert prefill_kernel(q, kv[..., :qk], kv[..., qk:]) is prefill_hopper
+    _check_varlen(q_lens, k_lens, num_heads, qk, dv, dtype, causal, seed=510 + qk + dv,
+                  device="cuda")
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu_hopper_rows_past_a_sequence(causal: bool) -> None:
+    # The copy engine reads whole 128-row tiles, so a sequence's last key tile holds the
+    # next sequence's rows: infinite values there must not reach the sequence's output
+    # (P is 0 for them, and 0 x inf is NaN unless the rows are zeroed).
+    N, qk, dv = 4, 192, 128
+    q_lens = [100, 60]
+    k_lens = q_lens if causal else [150, 60]
+    gen = torch.Generator().manual_seed(520)
+    q = torch.randn(sum(q_lens), N, qk, generator=gen).cuda().bfloat16()
+    kv = torch.randn(sum(k_lens), N, qk + dv, generator=gen).cuda().bfloat16()
+    kv[k_lens[0]:] = math.inf
+    k, v = kv[..., :qk], kv[..., qk:]
+    out, lse = varlen_attention(q, k, v, _cu(q_lens, "cuda"), _cu(k_lens, "cuda"),
+                                max(q_lens), max(k_lens), qk**-0.5, causal)
+    first = slice(0, q_lens[0])
+    want, want_lse = ref.varlen_attention(
+        q[first], k[:k_lens[0]], v[:k_lens[0]], _cu(q_lens[:1], "cuda"),
+        _cu(k_lens[:1], "cuda"), q_lens[0], k_lens[0], qk**-0.5, causal)
+    assert out[first].isfinite().all()
+    assert relative_error(out[first], want.double()) < 1e-2
+    torch.testing.assert_close(lse[:, first], want_lse, atol=2e-3, rtol=1e-5)
 
 
 @pytest.mark.cuda

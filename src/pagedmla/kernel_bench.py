@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import itertools
 import json
 import math
 import subprocess
@@ -47,6 +48,8 @@ from pagedmla.ops.triton import (
     write_cache,
 )
 from pagedmla.ops.triton.decode import DECODE_CONFIGS, hopper_kernel, pick_config
+from pagedmla.ops.triton.prefill import hopper_kernel as prefill_hopper_kernel
+from pagedmla.ops.triton.prefill import pick_config as prefill_pick_config
 
 L, R = 512, 64
 FP8 = torch.float8_e4m3fn
@@ -350,6 +353,11 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                                          mla_decode(*args, config=plain)))
             nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size())
             results[cache] = (us, nbytes, flops)
+            # A plain read of as many bytes, timed the same way: what a short grid's fixed
+            # costs (launch, ramp-up, the L2 write-back the flush leaves) do to any read.
+            src = torch.empty(nbytes // 2, device=DEV, dtype=torch.bfloat16).normal_()
+            read_us = bench(graphed(lambda src=src: src.sum(dtype=torch.float32)))
+            del src
             ref_us = None
             if (cache == torch.bfloat16 and page == 64
                     and (batch, heads, context, q_len) in reference_for):
@@ -363,7 +371,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
                 "baseline_us": ref_us,
                 "stage1": "gluon" if plain_us else "triton",
-                "triton_stage1_us": plain_us,
+                "triton_stage1_us": plain_us, "same_size_read_us": read_us,
             }
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
             if cache == FP8:
@@ -429,31 +437,65 @@ def _sdpa_baseline(q, k, v, causal: bool) -> tuple[float | None, str]:
     return best, label
 
 
+def _cu_lens(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
+
+
+def _attention_flops(q_lens: list[int], k_lens: list[int], heads: int, width: int,
+                     causal: bool) -> int:
+    """2 x heads x (qk + v) FLOPs per visible (query, key) pair; causal bottom-right."""
+    pairs = 0
+    for q_len, k_len in zip(q_lens, k_lens):
+        if causal:  # query i sees min(k_len, k_len - q_len + i + 1) keys (at least 0)
+            shift = k_len - q_len
+            pairs += sum(max(0, min(k_len, shift + i + 1)) for i in range(q_len))
+        else:
+            pairs += q_len * k_len
+    return 2 * heads * pairs * width
+
+
 def bench_prefill(quick: bool) -> list[dict]:
-    """The Triton kernel and the backend's prefill op (which hands these dense shapes to
-    cuDNN) against cuDNN / flash SDPA on the same shape."""
-    shapes = [(16, 4096), (16, 16384), (128, 4096), (128, 8192), (128, 16384)]
+    """Varlen attention (the Gluon kernel on Hopper, the Triton kernel for comparison)
+    and the backend's prefill op (cuDNN for equal-length batches) against cuDNN / flash
+    SDPA on the same dense shape; ragged batches, which SDPA cannot take in one call,
+    against the Triton kernel only."""
+    qk, dv = 192, 128
+    cases = [  # (label, heads, q_lens, k_lens, causal)
+        *((f"S={s} causal", n, [s], [s], True)
+          for n, s in ((16, 4096), (16, 16384), (128, 4096), (128, 8192), (128, 16384))),
+        ("context q=2048 k=8192", 128, [2048], [8192], False),
+    ]
+    ragged = [200 + (i * 1237) % 2800 for i in range(12)]  # 200..3000 tokens, fixed
+    cases += [(f"12 ragged seqs, {sum(ragged)} tokens, causal", n, ragged, ragged, True)
+              for n in (16, 128)]
     if quick:
-        shapes = [(16, 8192), (128, 8192)]
+        cases = [cases[i] for i in (1, 3, 6)]
     rows = []
-    for heads, seq in shapes:
-        for qk, dv in ((192, 128),):
-            q = torch.randn(seq, heads, qk, device=DEV, dtype=torch.bfloat16)
-            kv = torch.randn(seq, heads, qk + dv, device=DEV, dtype=torch.bfloat16)
-            k, v = kv[..., :qk], kv[..., qk:]
-            cu = torch.tensor([0, seq], dtype=torch.int32, device=DEV)
-            flops = 2 * heads * (seq * (seq + 1) // 2) * (qk + dv)  # causal half
-            base_us, label = _sdpa_baseline(q, k.contiguous(), v.contiguous(), True)
-            for kernel, fn in (("varlen_attention", varlen_attention),
-                               ("prefill_attention", prefill_attention)):
-                us = bench(lambda fn=fn, q=q, k=k, v=v, cu=cu, seq=seq, qk=qk: fn(
-                    q, k, v, cu, cu, seq, seq, qk**-0.5, True), rep_ms=200)
-                rows.append({
-                    "kernel": kernel, "N": heads, "tokens": seq, "qk": qk, "v": dv,
-                    "causal": True, "us": us, "flops": flops, "tflops": flops / us / 1e6,
-                    "baseline": label, "baseline_us": base_us,
-                })
-            del q, kv, k, v
+    for label, heads, q_lens, k_lens, causal in cases:
+        q = torch.randn(sum(q_lens), heads, qk, device=DEV, dtype=torch.bfloat16)
+        kv = torch.randn(sum(k_lens), heads, qk + dv, device=DEV, dtype=torch.bfloat16)
+        k, v = kv[..., :qk], kv[..., qk:]
+        args = (q, k, v, _cu_lens(q_lens), _cu_lens(k_lens), max(q_lens), max(k_lens),
+                qk**-0.5, causal)
+        flops = _attention_flops(q_lens, k_lens, heads, qk + dv, causal)
+        base_us, base = None, None
+        if len(q_lens) == 1:
+            base_us, base = _sdpa_baseline(q, k.contiguous(), v.contiguous(), causal)
+        plain = prefill_pick_config(qk, dv, q.dtype)
+        triton_us = bench(lambda args=args, plain=plain: varlen_attention(*args, config=plain),
+                          rep_ms=200)
+        gluon = prefill_hopper_kernel(q, k, v) is not None
+        for kernel, fn in (("varlen_attention", varlen_attention),
+                           ("prefill_attention", prefill_attention)):
+            us = bench(lambda fn=fn, args=args: fn(*args), rep_ms=200)
+            rows.append({
+                "kernel": kernel, "shape": label, "N": heads, "tokens": sum(q_lens),
+                "qk": qk, "v": dv, "causal": causal, "us": us, "flops": flops,
+                "tflops": flops / us / 1e6, "baseline": base, "baseline_us": base_us,
+                "stage": ("gluon" if gluon else "triton") if kernel == "varlen_attention"
+                else "backend op", "triton_kernel_us": triton_us,
+            })
+        del q, kv, k, v
     return rows
 
 
@@ -584,9 +626,11 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "kernel (decode_hopper up to 16 query rows, decode_hopper_heads above), and the "
         "Triton kernel's time is shown for comparison",
         "",
-        "| kernel | shape | µs | eager µs | TB/s | % ceiling | TFLOP/s | baseline | baseline µs "
-        "| speedup |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "read µs: torch.sum over as many bytes as the decode moves, timed the same way",
+        "",
+        "| kernel | shape | µs | eager µs | TB/s | % ceiling | read µs | TFLOP/s | baseline "
+        "| baseline µs | speedup |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         if r["kernel"] == "mla_decode":
@@ -599,7 +643,9 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         elif r["kernel"] == "merge_attn_states":
             shape = f"T={r['T']} N={r['N']} D={r['D']} bf16"
         else:
-            shape = f"N={r['N']} S={r['tokens']} qk={r['qk']} v={r['v']} causal"
+            shape = (f"N={r['N']} {r['shape']} qk={r['qk']} v={r['v']} [{r['stage']}; "
+                     f"Triton kernel: {r['triton_kernel_us']:.1f} µs]")
+        read = f"{r['same_size_read_us']:.1f}" if "same_size_read_us" in r else ""
         tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
         pct = f"{r['pct_ceiling']:.0f}" if "pct_ceiling" in r else ""
         tflops = f"{r['tflops']:.0f}" if "tflops" in r else ""
@@ -608,7 +654,7 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         speed = f"{r['baseline_us'] / r['us']:.2f}x" if r.get("baseline_us") else ""
         eager = f"{r['eager_us']:.1f}" if "eager_us" in r else ""
         lines.append(f"| {r['kernel']} | {shape} | {r['us']:.1f} | {eager} | {tbps} | {pct} "
-                     f"| {tflops} "
+                     f"| {read} | {tflops} "
                      f"| {base} | {base_us} | {speed} |")
     return "\n".join(lines)
 
@@ -644,19 +690,21 @@ def write_plots(report: dict, directory: str) -> list[str]:
         paths.append(f"{directory}/{name}")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    prefill = [r for r in rows if r["kernel"] == "varlen_attention"]
+    prefill = [r for r in rows if r["kernel"] == "varlen_attention" and r.get("baseline_us")]
     if prefill:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 4))
         x = range(len(prefill))
-        ax.bar([i - 0.2 for i in x], [r["tflops"] for r in prefill], width=0.4,
-               label="our Triton kernel")
-        ax.bar([i + 0.2 for i in x], [r["tflops"] * r["us"] / r["baseline_us"] for r in prefill],
-               width=0.4, label="PyTorch SDPA (cuDNN)")
+        ax.bar([i - 0.27 for i in x], [r["tflops"] for r in prefill], width=0.27,
+               label=f"our kernel ({prefill[0].get('stage', 'triton')})")
+        ax.bar(list(x), [r["flops"] / r["triton_kernel_us"] / 1e6 for r in prefill],
+               width=0.27, label="our Triton kernel")
+        ax.bar([i + 0.27 for i in x], [r["flops"] / r["baseline_us"] / 1e6 for r in prefill],
+               width=0.27, label="PyTorch SDPA (cuDNN)")
         ax.axhline(ceil["bf16_matmul_tflops"], color="black", linestyle="--",
                    label="bf16 matmul ceiling")
-        ax.set_xticks(list(x), [f"N={r['N']} S={r['tokens']}" for r in prefill])
+        ax.set_xticks(list(x), [f"N={r['N']}\n{r['shape']}" for r in prefill], fontsize=7)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title("causal prefill, qk 192 / v 128")
+        ax.set_title("prefill attention, qk 192 / v 128")
         ax.legend()
         fig.tight_layout()
         paths.append(f"{directory}/prefill_tflops.png")

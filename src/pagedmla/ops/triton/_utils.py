@@ -65,6 +65,11 @@ def multiprocessor_count(device: torch.device) -> int:
     return _properties(device).multi_processor_count
 
 
+def l2_cache_bytes(device: torch.device) -> int:
+    """L2 cache size of the CUDA device `device`."""
+    return _properties(device).L2_cache_size
+
+
 def is_hopper(device: torch.device) -> bool:
     """Whether `device` is a Hopper GPU (compute capability 9.x)."""
     return device.type == "cuda" and _properties(device).major == 9

@@ -11,6 +11,9 @@ tiles wholly visible to every query of the block run without masks, the few on t
 diagonal with masks, and tiles wholly above it are never visited. Query blocks are
 launched heaviest first (the last block of a causal sequence has the most keys). The
 grid comes from max_seqlen_q (a host int): no device value is read on the host.
+
+On a Hopper GPU, 16-bit calls whose rows the copy engine can read run the
+warp-specialized Gluon kernel of `prefill_hopper` instead, with the same outputs.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import triton
 import triton.language as tl
 
 from pagedmla.ops.triton._utils import (
+    INTERPRETED,
     cdiv,
     check_device,
     dot_precision,
+    is_hopper,
     last_dim_contiguous,
     next_pow2,
     split_pow2,
@@ -200,6 +205,19 @@ def _varlen_attention_kernel(
     tl.store(lse_ptr + head * stride_lh + tok * stride_lt, lse, mask=row_ok)
 
 
+def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The `prefill_hopper` module where its kernel takes this call on a Hopper GPU;
+    None where it does not (and always off Hopper, under the interpreter, or where
+    Triton lacks Gluon)."""
+    if INTERPRETED or not is_hopper(q.device):
+        return None
+    try:
+        from pagedmla.ops.triton import prefill_hopper
+    except ImportError:
+        return None
+    return prefill_hopper if prefill_hopper.supported(q, k, v) else None
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,6 +237,8 @@ def varlen_attention(
     cu_seqlens_q / cu_seqlens_k int32 [B + 1]; causal is bottom-right. max_seqlen_q
     (host int, >= every q_len) sizes the grid. Returns out [Tq, N, Dv] in q's dtype
     and lse [N, Tq] float32; a query that sees no key gets out 0 and lse -inf.
+    `config` runs the Triton kernel with those launch parameters (tuning, tests);
+    without it a Hopper GPU runs `prefill_hopper` where that supports the call.
     """
     check_device(q, k, v)
     num_tokens, num_heads, qk_dim = q.shape
@@ -231,6 +251,11 @@ def varlen_attention(
         lse.fill_(float("-inf"))
         return out, lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    hopper = hopper_kernel(q, k, v) if config is None else None
+    if hopper is not None:
+        hopper.varlen_attention_into(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, softmax_scale, causal, out, lse)
+        return out, lse
     cfg = config or pick_config(qk_dim, v_dim, q.dtype)
     d1, d2 = split_pow2(qk_dim)
     if d1 < 16:  # tl.dot needs K >= 16: pad a tiny head dim with masked columns
