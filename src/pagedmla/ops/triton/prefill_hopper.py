@@ -295,6 +295,10 @@ def _varlen_hopper_kernel(
     k_begin = gl.load(cu_k_ptr + seq)
     k_len = gl.load(cu_k_ptr + seq + 1) - k_begin
     m_start = m_block * BLOCK_M
+    if m_start >= q_len:
+        # A block past its sequence (the grid covers the longest one): nothing to do,
+        # so leave before the shared memory, the barriers and the partitions are set up.
+        return
     if CAUSAL:
         q_shift = k_len - q_len  # query i sees keys <= i + q_shift
         # Keys every query of the block sees, and keys any of its queries sees.
@@ -304,7 +308,6 @@ def _varlen_hopper_kernel(
         q_shift = 0
         full_end = k_len
         end = k_len
-    end = gl.where(m_start < q_len, end, 0)  # blocks past this sequence: no work
     full_end = gl.minimum(full_end, end) // BLOCK_N * BLOCK_N
     num_tiles = gl.cdiv(end, BLOCK_N)
 
