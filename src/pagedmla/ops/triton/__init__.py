@@ -1,8 +1,9 @@
 """The Triton backend: one kernel file per op, assembled into a `Backend`.
 
 Prefill attention goes through `prefill_select`, which hands batches of equal-length
-sequences to cuDNN (faster there) and everything else to our Triton kernel;
-`varlen_attention` is the kernel itself.
+sequences to cuDNN (faster there) and everything else to our kernels;
+`varlen_attention` is ours (the Gluon kernel of `prefill_hopper` on Hopper GPUs, the
+Triton kernel elsewhere).
 
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).

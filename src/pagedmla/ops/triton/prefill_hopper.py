@@ -26,8 +26,8 @@ the sequence are masked out of the scores, and their V rows are zeroed in shared
 before P V (they belong to the next sequence and need not be finite).
 
 Measured on an H200 (docs/PERFORMANCE.md): qk 192 / v 128 causal, N = 16-128, 4k-16k
-tokens, 0.91-1.04x PyTorch's cuDNN attention and 1.10-1.41x the Triton kernel; without
-the ping-pong (one partition of two warpgroups) 0.78-0.93x cuDNN.
+tokens, 0.90-1.01x PyTorch's cuDNN attention and 1.09-1.40x the Triton kernel; the
+same kernel without the ping-pong (both consumers in one partition) 0.78-0.93x cuDNN.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from pagedmla.ops.triton._utils import cdiv, l2_cache_bytes, next_pow2
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 STAGES = 2  # key tiles in flight
 # Registers per thread of the second consumer (a worker partition; the first is the
-# default partition and gets what the producer's 24 leave).
+# default partition and gets what the producer's 24 leave). ptxas still compiles the
+# worker within the launch's cap, 168 at 12 warps: 52 bytes of spill stores at
+# 192 / 128, none at 128 / 128 (sm_90a builds with Triton 3.6).
 CONSUMER_REGS = gl.constexpr(240)
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a block may use, leaving room for barriers
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

@@ -1,16 +1,18 @@
 """Prefill attention of the triton backend: cuDNN's fused attention where it applies,
-our Triton kernel (`prefill.varlen_attention`) everywhere else.
+our kernels (`prefill.varlen_attention`: the Gluon one on Hopper, else the Triton one)
+everywhere else.
 
-Why: on an H200, PyTorch's cuDNN attention runs dense causal prefill (qk 192 / v 128)
-1.2-1.3x faster than our kernel and returns the log-sum-exp that the chunked-context
-merge needs (docs/PERFORMANCE.md). Its ragged entry point (`_cudnn_attention_forward`
-with cumulative lengths) is correct but rebuilds its plan on every call, about 50x
-slower, and gives wrong results with int64 lengths; so only batches whose sequences all
-share one query length and one key length take cuDNN, through the dense op on views of
-the packed tensors. Which batches those are follows from host ints alone (B sequences
-of at most max_len tokens filling T tokens means every one has max_len), so choosing
-never reads the device. cuDNN's causal mask is top-left; it equals ours (bottom-right)
-only for square attention, so causal batches need q_len == k_len.
+Why: on an H200, PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) up to
+1.1x faster than our Gluon kernel (1.1-1.4x than the Triton one) and returns the
+log-sum-exp that the chunked-context merge needs (docs/PERFORMANCE.md). Its ragged entry
+point (`_cudnn_attention_forward` with cumulative lengths) is correct but rebuilds its
+plan on every call, about 50x slower, and gives wrong results with int64 lengths; so
+only batches whose sequences all share one query length and one key length take cuDNN,
+through the dense op on views of the packed tensors. Which batches those are follows
+from host ints alone (B sequences of at most max_len tokens filling T tokens means every
+one has max_len), so choosing never reads the device. cuDNN's causal mask is top-left;
+it equals ours (bottom-right) only for square attention, so causal batches need q_len ==
+k_len.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `prefill.varlen_attention` (q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv];
     returns out [Tq, N, Dv] and lse [N, Tq] float32), on cuDNN when every sequence has
-    the same lengths (see the module docstring), else on the Triton kernel."""
+    the same lengths (see the module docstring), else on our kernels."""
     num_seqs = cu_seqlens_q.shape[0] - 1
     if _takes_cudnn(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         try:
