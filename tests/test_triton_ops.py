@@ -800,6 +800,7 @@ def test_varlen_gpu(qk: int, dv: int, num_heads: int, causal: bool) -> None:
         (torch.bfloat16, 48, 24, 2, "kv", False),  # head dims the copy boxes do not cover
         (torch.bfloat16, 192, 96, 2, "kv", False),
         (torch.bfloat16, 192, 128, 16, "odd-stride", False),  # head stride not 16 bytes
+        (torch.bfloat16, 192, 128, 16, "heads-outer", False),  # [N, T, D] memory order
     ],
 )
 def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, heads: int,
@@ -812,6 +813,8 @@ def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, head
     pad = 4 if view == "odd-stride" else 0
     q = torch.zeros(5, heads, qk, dtype=dtype)
     kv = torch.zeros(7, heads, qk + dv + pad, dtype=dtype)
+    if view == "heads-outer":
+        kv = torch.zeros(heads, 7, qk + dv, dtype=dtype).transpose(0, 1)
     k, v = kv[..., :qk], kv[..., qk:qk + dv]
     assert prefill_hopper.supported(q, k, v) is takes
     assert prefill_kernel(q, k, v) is None

@@ -73,12 +73,17 @@ def block_n(qk_dim: int, v_dim: int) -> int:
 
 
 def _copyable(t: torch.Tensor) -> bool:
-    """[T, N, D] rows the copy engine reads: unit last stride, 16-byte aligned base and
-    token / head strides, int32 coordinates."""
+    """[T, N, D] rows the copy engine reads as a [T, (N - 1) x stride_h + D] matrix:
+    unit last stride, 16-byte aligned base and token / head strides, a token's heads
+    within its row stride (tokens outer, as projections lay them out), int32
+    coordinates."""
+    tokens, heads, dim = t.shape
     elt = t.element_size()
+    width = (heads - 1) * t.stride(1) + dim
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and (t.stride(0) * elt) % 16 == 0 and (t.stride(1) * elt) % 16 == 0
-            and t.shape[0] < 2**31 and t.shape[1] * t.stride(1) < 2**31)
+            and t.stride(1) >= dim and t.stride(0) >= width
+            and tokens < 2**31 and width < 2**31)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
