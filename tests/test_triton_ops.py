@@ -816,8 +816,10 @@ def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, head
     if view == "heads-outer":
         kv = torch.zeros(heads, 7, qk + dv, dtype=dtype).transpose(0, 1)
     k, v = kv[..., :qk], kv[..., qk:qk + dv]
-    assert prefill_hopper.supported(q, k, v) is takes
-    assert prefill_kernel(q, k, v) is None
+    assert prefill_hopper.supported(q, k, v, 0.1) is takes
+    assert not prefill_hopper.supported(q, k, v, 0.0)
+    assert not prefill_hopper.supported(q, k, v, -0.1)
+    assert prefill_kernel(q, k, v, 0.1) is None
 
 
 @pytest.mark.cuda
@@ -838,9 +840,26 @@ def test_varlen_gpu_hopper_kernel(qk: int, dv: int, dtype: torch.dtype, causal: 
     k_lens = q_lens if causal else [5, 0, 300, 129, 1000, 77]
     q = torch.empty(1, num_heads, qk, dtype=dtype, device="cuda")
     kv = torch.empty(1, num_heads, qk + dv, dtype=dtype, device="cuda")
-    assert prefill_kernel(q, kv[..., :qk], kv[..., qk:]) is prefill_hopper
+    assert prefill_kernel(q, kv[..., :qk], kv[..., qk:], qk**-0.5) is prefill_hopper
     _check_varlen(q_lens, k_lens, num_heads, qk, dv, dtype, causal, seed=510 + qk + dv,
                   device="cuda")
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu_hopper_head_groups(causal: bool) -> None:
+    # Programs are launched in groups of heads sized to L2 (`head_group`): a long
+    # sequence makes the groups smaller than N = 10, so the last group is partial.
+    from pagedmla.ops.triton import prefill_hopper
+
+    N, qk, dv = 10, 192, 128
+    q_lens = [5000, 300, 1]
+    k_lens = q_lens if causal else [5000, 700, 1]
+    probe = torch.empty(1, N, qk, dtype=torch.bfloat16, device="cuda")
+    group = prefill_hopper.head_group(N, max(k_lens), qk + dv, probe)
+    assert 1 < group < N and N % group != 0, group
+    _check_varlen(q_lens, k_lens, N, qk, dv, torch.bfloat16, causal, seed=530, device="cuda")
 
 
 @pytest.mark.cuda

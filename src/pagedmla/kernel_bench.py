@@ -484,7 +484,7 @@ def bench_prefill(quick: bool) -> list[dict]:
         plain = prefill_pick_config(qk, dv, q.dtype)
         triton_us = bench(lambda args=args, plain=plain: varlen_attention(*args, config=plain),
                           rep_ms=200)
-        gluon = prefill_hopper_kernel(q, k, v) is not None
+        gluon = prefill_hopper_kernel(q, k, v, qk**-0.5) is not None
         for kernel, fn in (("varlen_attention", varlen_attention),
                            ("prefill_attention", prefill_attention)):
             us = bench(lambda fn=fn, args=args: fn(*args), rep_ms=200)

@@ -205,7 +205,7 @@ def _varlen_attention_kernel(
     tl.store(lse_ptr + head * stride_lh + tok * stride_lt, lse, mask=row_ok)
 
 
-def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float):
     """The `prefill_hopper` module where its kernel takes this call on a Hopper GPU;
     None where it does not (and always off Hopper, under the interpreter, or where
     Triton lacks Gluon)."""
@@ -215,7 +215,7 @@ def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         from pagedmla.ops.triton import prefill_hopper
     except ImportError:
         return None
-    return prefill_hopper if prefill_hopper.supported(q, k, v) else None
+    return prefill_hopper if prefill_hopper.supported(q, k, v, softmax_scale) else None
 
 
 def varlen_attention(
@@ -251,7 +251,7 @@ def varlen_attention(
         lse.fill_(float("-inf"))
         return out, lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    hopper = hopper_kernel(q, k, v) if config is None else None
+    hopper = hopper_kernel(q, k, v, softmax_scale) if config is None else None
     if hopper is not None:
         hopper.varlen_attention_into(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, softmax_scale, causal, out, lse)

@@ -86,12 +86,16 @@ def _copyable(t: torch.Tensor) -> bool:
             and tokens < 2**31 and width < 2**31)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              ) -> bool:
     """Whether this kernel takes the call (on a Hopper GPU: `prefill.varlen_attention`
     checks the device): 16-bit q, k and v of one dtype; qk head dim 64, 128, 192 or
-    256 and v head dim 64, 128 or 256 within the shared memory budget; copyable rows."""
+    256 and v head dim 64, 128 or 256 within the shared memory budget; copyable rows;
+    a positive softmax scale (the running max is kept in scaled units: max(s) x scale
+    is the max of the scaled scores only for a positive scale)."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
-    return (q.dtype in _GL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+    return (softmax_scale > 0
+            and q.dtype in _GL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
             and qk_dim in (64, 128, 192, 256) and v_dim in (64, 128, 256)
             and block_n(qk_dim, v_dim) > 0 and all(_copyable(t) for t in (q, k, v)))
 
