@@ -17,6 +17,10 @@ What the interpreter (Triton 3.9) cannot check, and why
   and test_write_cache_gpu_fp8_bits checks it bit for bit against torch.
 * Races between warps of one program (the interpreter runs a program as one numpy
   step): the in-place merge race found on an H200 is covered by test_merge_gpu_bf16.
+* The warp-specialized Gluon kernels for Hopper (decode_hopper, decode_hopper_heads,
+  prefill_hopper): the interpreter does not run Gluon (TMA, mbarriers, wgmma, warp
+  partitions). On the CPU only their dispatch rules are tested (which calls each takes,
+  and that CPU tensors never reach them); the kernels run in the `hopper` tests.
 * Performance, tensor-core (tf32/wgmma) numerics, pipelining (num_stages) and the
   real multiprocessor count: the split planner sees 4 "multiprocessors" there.
 
