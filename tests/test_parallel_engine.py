@@ -170,6 +170,14 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
         outs = llm.generate({prompt_sets[0]!r}, params, use_tqdm=False)
         print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
         llm.close()
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                names.append(open(f"/proc/self/task/{{task}}/comm").read().strip())
+            except OSError:
+                pass
+        # One string, so one write: the two ranks share the pipe.
+        print(f"gloo workers after close: {{names.count('pt_gloo_runloop')}}", flush=True)
     """)
     path = tmp_path / "spmd.py"
     path.write_text(script)
@@ -182,6 +190,10 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
     lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
     expected = str([o.outputs[0].token_ids for o in reference("auto", 8)[0]]).replace(" ", "")
     assert len(lines) == 2 and all(line.replace(" ", "") == expected for line in lines)
+    # close() leaves the group for good: its gloo worker threads (named pt_gloo_runloop
+    # by PyTorch) are gone. A group kept alive past destroy_process_group has made ranks
+    # abort at interpreter exit (see distributed/launch.py).
+    assert done.stdout.count("gloo workers after close: 0") == 2, done.stdout[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: its functions take `group =
+# group.WORLD` as a default argument, evaluated at import. PyTorch imports it lazily
+# (through torch._dynamo, e.g. the first time a meta tensor is initialised); imported
+# after init_process_group, those defaults would keep the world group alive after
+# destroy_process_group, and its gloo worker threads would race the interpreter's exit
+# (SIGABRT: "terminate called without an active exception", seen under torchrun).
+import torch.distributed.nn
+
 # How long a collective may wait for a peer (a slow CPU step must not time out).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 _JOIN_TIMEOUT_S = 10.0
