@@ -168,6 +168,11 @@ def _scatter_cache(seq_lens: list[int], block_size: int, cache: torch.dtype, gen
     return data.to(cache), table
 
 
+def _cu_lens(lens: list[int]) -> torch.Tensor:
+    """Cumulative lengths [0, l0, l0 + l1, ...] as an int32 CUDA tensor."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
+
+
 def check_all() -> list[str]:
     """Every kernel vs the reference; raises on the first failure. Returns a log."""
     log: list[str] = []
@@ -182,8 +187,7 @@ def check_all() -> list[str]:
                                 zip(q_lens, [1, 2, block_size + 1, 777, 3001])]
                     data, table = _scatter_cache(seq_lens, block_size, cache, gen)
                     q = torch.randn(sum(q_lens), heads, L + R, device=DEV, generator=gen)
-                    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                       dtype=torch.int32, device=DEV)
+                    qsl = _cu_lens(q_lens)
                     args = (q.to(bf16), data, torch.tensor(0.37, device=DEV), table,
                             torch.tensor(seq_lens, dtype=torch.int32, device=DEV), qsl,
                             max(q_lens), max(seq_lens), L, (L + R) ** -0.5)
@@ -260,10 +264,8 @@ def check_all() -> list[str]:
                 k_lens = q_lens if causal else [5, 0, 2000, 1029]
                 q = torch.randn(sum(q_lens), heads, qk, device=DEV, dtype=bf16)
                 kv = torch.randn(sum(k_lens), heads, qk + dv, device=DEV, dtype=bf16)
-                cq = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
-                                  dtype=torch.int32, device=DEV)
-                ck = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()],
-                                  dtype=torch.int32, device=DEV)
+                cq = _cu_lens(q_lens)
+                ck = _cu_lens(k_lens)
                 args = (q, kv[..., :qk], kv[..., qk:], cq, ck, max(q_lens), max(k_lens),
                         qk**-0.5, causal)
                 _poison()
@@ -435,10 +437,6 @@ def _sdpa_baseline(q, k, v, causal: bool) -> tuple[float | None, str]:
                 best, label = us, f"SDPA {name}" + (" (v padded to qk width)" if pad else "")
             break
     return best, label
-
-
-def _cu_lens(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEV)
 
 
 def _attention_flops(q_lens: list[int], k_lens: list[int], heads: int, width: int,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+from types import ModuleType
 
 import torch
 
@@ -73,6 +75,18 @@ def l2_cache_bytes(device: torch.device) -> int:
 def is_hopper(device: torch.device) -> bool:
     """Whether `device` is a Hopper GPU (compute capability 9.x)."""
     return device.type == "cuda" and _properties(device).major == 9
+
+
+def gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...] | None:
+    """The Gluon kernel modules `names` of this package where they can run on `device`:
+    None off Hopper, under the interpreter (it does not run Gluon), or where the
+    installed Triton lacks Gluon."""
+    if INTERPRETED or not is_hopper(device):
+        return None
+    try:
+        return tuple(importlib.import_module(f"{__package__}.{name}") for name in names)
+    except ImportError:
+        return None
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -48,7 +48,7 @@ from pagedmla.ops.triton._utils import (
     cdiv,
     check_device,
     dot_precision,
-    is_hopper,
+    gluon_modules,
     last_dim_contiguous,
     multiprocessor_count,
     next_pow2,
@@ -542,16 +542,8 @@ def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
     `decode_hopper` for at most 16 query rows per request, `decode_hopper_heads` for
     more; None where neither supports it (and always off Hopper, under the interpreter,
     or where Triton lacks Gluon)."""
-    if INTERPRETED or not is_hopper(q.device):
-        return None
-    try:
-        from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
-    except ImportError:
-        return None
-    for module in (decode_hopper, decode_hopper_heads):
-        if module.supported(q, data, num_rows, L):
-            return module
-    return None
+    modules = gluon_modules(q.device, "decode_hopper", "decode_hopper_heads") or ()
+    return next((m for m in modules if m.supported(q, data, num_rows, L)), None)
 
 
 def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:

@@ -25,11 +25,10 @@ import triton
 import triton.language as tl
 
 from pagedmla.ops.triton._utils import (
-    INTERPRETED,
     cdiv,
     check_device,
     dot_precision,
-    is_hopper,
+    gluon_modules,
     last_dim_contiguous,
     next_pow2,
     split_pow2,
@@ -209,13 +208,8 @@ def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     """The `prefill_hopper` module where its kernel takes this call on a Hopper GPU;
     None where it does not (and always off Hopper, under the interpreter, or where
     Triton lacks Gluon)."""
-    if INTERPRETED or not is_hopper(q.device):
-        return None
-    try:
-        from pagedmla.ops.triton import prefill_hopper
-    except ImportError:
-        return None
-    return prefill_hopper if prefill_hopper.supported(q, k, v, softmax_scale) else None
+    modules = gluon_modules(q.device, "prefill_hopper") or ()
+    return next((m for m in modules if m.supported(q, k, v, softmax_scale)), None)
 
 
 def varlen_attention(
