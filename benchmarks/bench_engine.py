@@ -2,15 +2,14 @@
 
 Writes a random-weight DeepSeek checkpoint (V2-Lite attention: 16 heads, L 512, R 64,
 P 128, V 128; dense MLPs so that MoE dispatch does not dominate), fills the engine
-with `--batch` requests and times decode-only steps. Host time: scheduling, inputs,
-metadata (eager) or graph input staging, kernel launches (eager), and after the sampled
-tokens arrive, their map and the bookkeeping; i.e. everything but launching the sampler
-and waiting for the device; step time: all of it to a device sync. Part of the host
-time overlaps the device (a graph replay's launch runs while its first kernels do), so
-the step is also split by CUDA events: the device span from the first enqueue to the
-sampler's end, and the GPU idle time (step minus span: scheduling, input preparation
-and bookkeeping that nothing overlaps). Eager and CUDA-graph engines run in the same
-process.
+with `--batch` requests and times decode-only steps, driven as `LLM.generate` drives
+them (`LLM.launch` / `LLM.complete`, `Scheduler.schedule_ahead` when async). Step
+time: wall time between two steps' completions. Host time: the part of it the host
+is busy (scheduling, inputs, metadata or graph staging, launches, sampling launch,
+the token map and bookkeeping), i.e. all but the wait for the sampled tokens. Device
+span: CUDA events around a step's enqueues, so the GPU time from reaching the step's
+first work to its last; GPU idle = step - span, the host work that nothing overlaps.
+Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling.
 
     python3 benchmarks/bench_engine.py --out engine.json
 """
@@ -26,7 +25,6 @@ import time
 import torch
 
 from pagedmla import LLM, SamplingParams
-from pagedmla.engine.sampler import sample
 from pagedmla.engine.sequence import Sequence
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 
@@ -49,31 +47,40 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
     for i in range(batch):
         ids = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
         llm.scheduler.add(Sequence(10_000 + i, ids, params))
-    host, total, device = [], [], []
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    while llm.scheduler.has_unfinished() and len(total) < steps:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        scheduled = llm.scheduler.schedule()
-        token_ids, positions, spec = llm.runner.prepare(scheduled)
-        rows = llm.runner.sample_rows(scheduled)
+    events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+
+    def launch(scheduled, before=None):
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         first.record()
-        logits = llm.runner.execute(token_ids, positions, spec, rows)
-        launched = time.perf_counter()  # execute only enqueues: its wall time is host work
-        seqs = [s for s, need in zip(scheduled.seqs, scheduled.needs_sample, strict=True) if need]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [None] * len(seqs))
+        launched = llm.launch(scheduled, {}, before)
         last.record()
-        token_list = tokens.tolist()  # waits for the device: the one blocking call
-        synced = time.perf_counter()
-        sampled = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, token_list, logprobs,
-                                                          strict=True)}
-        llm.scheduler.postprocess(scheduled, sampled)
-        torch.cuda.synchronize()
-        end = time.perf_counter()
+        events[id(launched)] = (first, last)
+        return launched
+
+    total, host, device = [], [], []
+    torch.cuda.synchronize()
+    start = done = time.perf_counter()
+    launched = None
+    while (launched is not None or llm.scheduler.has_unfinished()) and len(total) < steps:
+        if launched is None:
+            launched = launch(llm.scheduler.schedule())
+        ahead = llm.scheduler.schedule_ahead(launched.batch) if llm.async_scheduling else None
+        following = None if ahead is None else launch(ahead, launched)
+        waited = time.perf_counter()
+        if launched.drawn is not None:
+            launched.drawn.wait()  # the one blocking call: the sampled tokens' copy
+        waited = time.perf_counter() - waited
+        llm.complete(launched, start)
+        previous, done = done, time.perf_counter()
+        scheduled = launched.batch
         if all(n == 1 for n in scheduled.num_new_tokens) and len(scheduled.seqs) == batch:
-            host.append((launched - start) + (end - synced))
-            total.append(end - start)
+            first, last = events[id(launched)]
+            total.append(done - previous)
+            host.append(done - previous - waited)
             device.append(first.elapsed_time(last) / 1e3)
+        launched = following
+    if launched is not None:
+        llm.complete(launched, start)
     for seq in list(llm.scheduler.running):
         llm.block_manager.free(seq)
     llm.scheduler.running.clear()
@@ -99,13 +106,13 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
         write_tiny_checkpoint(directory, config=config)
-        for eager in (True, False):
+        modes = {"eager": (True, False), "cuda_graphs": (False, False),
+                 "cuda_graphs_async": (False, True)}
+        for mode, (eager, ahead) in modes.items():
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
                       max_num_seqs=args.batch, max_num_batched_tokens=16384,
-                      enforce_eager=eager, num_kv_blocks=4096)
-            results["runs"]["eager" if eager else "cuda_graphs"] = time_steps(
-                llm, args.batch, args.prompt_len, args.steps
-            )
+                      enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead)
+            results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
             del llm
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:

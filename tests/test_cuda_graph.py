@@ -73,18 +73,28 @@ def test_capturable_moe_matches_grouped_dispatch() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_graphs_match_eager() -> None:
     """Greedy tokens identical and logprobs within 1e-3 (float32 model, Triton kernels);
-    batches of 1..12 decodes replay padded graphs of 1, 2, 4, 8 and 16 rows."""
+    batches of 1..12 decodes replay padded graphs of 1, 2, 4, 8 and 16 rows. Graphs with
+    async scheduling too: rows leave from the front (max_tokens 13 + i), so the ahead
+    steps gather their token ids from the device, and one sequence stops on a token."""
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(12)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=13 + i, logprobs=1, ignore_eos=True)
+              for i in range(12)]
     runs = []
-    for eager in (True, False):
+    for eager, ahead in ((True, False), (False, False), (False, True)):
         llm = LLM("tiny", dtype=torch.float32, device="cuda", block_size=16,
-                  max_num_seqs=16, enforce_eager=eager, num_kv_blocks=512)
+                  max_num_seqs=16, enforce_eager=eager, num_kv_blocks=512,
+                  async_scheduling=ahead)
+        if not runs:  # stop sequence 5 on its 7th token, in every run
+            first = llm.generate(prompts, params, use_tqdm=False)[5].outputs[0].token_ids
+            params[5] = SamplingParams(temperature=0.0, max_tokens=18, logprobs=1,
+                                       ignore_eos=True, stop_token_ids=[first[6]])
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.runner.graphs is None) == eager
-    for eager_out, graph_out in zip(*runs, strict=True):
-        a, b = eager_out.outputs[0], graph_out.outputs[0]
-        assert a.token_ids == b.token_ids
-        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-            for token, value in step_a.items():
-                assert abs(value - step_b[token]) < 1e-3
+    assert runs[0][5].outputs[0].finish_reason == "stop"
+    for eager_out, *graph_outs in zip(*runs, strict=True):
+        a = eager_out.outputs[0]
+        for b in (out.outputs[0] for out in graph_outs):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+                for token, value in step_a.items():
+                    assert abs(value - step_b[token]) < 1e-3

@@ -8,6 +8,8 @@ log-probability of that token must match ours. float32 tolerance: 2e-3 per logpr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -121,3 +123,60 @@ def test_sampling_seed_reproducible(checkpoint):
     alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     together = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == together
+
+
+def _count_ahead_steps(llm: LLM) -> list[int]:
+    """Wraps llm's Scheduler.schedule_ahead; the returned list collects ahead step sizes."""
+    sizes: list[int] = []
+    plan = llm.scheduler.schedule_ahead
+
+    def counted(launched):
+        batch = plan(launched)
+        if batch is not None:
+            sizes.append(len(batch.seqs))
+        return batch
+
+    llm.scheduler.schedule_ahead = counted
+    return sizes
+
+
+def test_async_scheduling_matches_sync(checkpoint):
+    """Steps planned ahead (their token ids read on the device) give the synchronous
+    engine's completions, also when rows leave mid-flight: staggered max_tokens, and stop
+    tokens that are only seen after the next step was launched."""
+    hf, path = checkpoint
+    prompts = _prompts(97, PROMPT_LENS, seed=7)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, ignore_eos=True)
+        for m in (3, 9, 5, 9, 7)
+    ]
+    probe = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    for row, index in ((1, 3), (3, 1)):  # stop on the token drawn at this index
+        params[row] = replace(params[row], stop_token_ids=[probe[row].outputs[0].token_ids[index]])
+    sync = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = _llm(path)
+    ahead = _count_ahead_steps(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(ahead) >= 4 and len(set(ahead)) > 1  # ran ahead, with rows leaving
+    for mine, theirs in zip(outputs, sync, strict=True):
+        ours, ref = mine.outputs[0], theirs.outputs[0]
+        assert ours.token_ids == ref.token_ids and ours.finish_reason == ref.finish_reason
+        for step, ref_step in zip(ours.logprobs, ref.logprobs, strict=True):
+            assert step.keys() == ref_step.keys()
+            assert all(abs(step[t] - ref_step[t]) <= 1e-5 for t in step)
+    assert [o.outputs[0].finish_reason for o in outputs].count("stop") == 2
+    _check_against_hf(hf, prompts, outputs)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
+
+
+def test_async_scheduling_seeded_sampling_matches_sync(checkpoint):
+    """Seeded random rows draw from their own generators: ahead or not, the same tokens."""
+    _, path = checkpoint
+    prompts = _prompts(97, [6, 30, 11], seed=8)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=11)
+    sync = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = _llm(path)
+    ahead = _count_ahead_steps(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert ahead
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in sync]

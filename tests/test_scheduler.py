@@ -46,18 +46,28 @@ class FakeModel:
         self.manager = manager
         self.cache: dict[int, int] = {}  # slot -> token id stored there
 
-    def step(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict[int, float]]]:
+    def step(
+        self,
+        batch: ScheduledBatch,
+        before: dict[int, tuple[int, dict[int, float]]] | None = None,
+    ) -> dict[int, tuple[int, dict[int, float]]]:
+        """Run a step; an ahead batch feeds the tokens `before` (the step launched just
+        before it, not yet postprocessed) sampled, as the device would."""
         sampled: dict[int, tuple[int, dict[int, float]]] = {}
         for seq, num_new, needs_sample in zip(
             batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
         ):
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + batch.ahead
             for position in range(start, start + num_new):
                 slot = self.manager.slot(seq, position)
                 block = slot // self.manager.block_size
                 assert block != 0, "a token was written to the null block"
                 assert self.manager.ref_count(block) == 1, "a token was written to a shared block"
-                self.cache[slot] = seq.token_ids[position]
+                if batch.ahead:
+                    assert position == seq.num_tokens and before is not None
+                    self.cache[slot] = before[seq.seq_id][0]
+                else:
+                    self.cache[slot] = seq.token_ids[position]
             if needs_sample:
                 context = [self.cache[self.manager.slot(seq, p)] for p in range(start + num_new)]
                 sampled[seq.seq_id] = (next_token(context), {next_token(context): -0.5})
@@ -83,26 +93,57 @@ def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
         assert all(seq.num_uncomputed == 1 for seq in batch.seqs)
 
 
+def check_ahead(scheduler: Scheduler, launched: ScheduledBatch, batch: ScheduledBatch) -> None:
+    """An ahead batch: running decodes of `launched`, in its order, with their blocks."""
+    assert batch.ahead and len(batch.seqs) <= scheduler.max_num_seqs
+    order = [seq.seq_id for seq in launched.seqs if seq.status is SequenceStatus.RUNNING]
+    ids = [seq.seq_id for seq in batch.seqs]
+    assert ids == [i for i in order if i in set(ids)]
+    assert batch.num_new_tokens == [1] * len(ids) and all(batch.needs_sample)
+    for seq in batch.seqs:
+        assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed == 1
+        assert seq.num_output_tokens + 1 < seq.params.max_tokens
+        covered = len(seq.block_table) * scheduler.block_manager.block_size
+        assert covered >= seq.num_computed_tokens + 2
+
+
 def run_to_completion(
     scheduler: Scheduler,
     arrivals: list[tuple[int, Sequence]],
     model: FakeModel | None = None,
     max_steps: int = 5000,
+    ahead: bool = False,
 ) -> list[Sequence]:
-    """Drive the scheduler with the fake model; ``arrivals`` are (step, sequence) pairs."""
+    """Drive the scheduler with the fake model; ``arrivals`` are (step, sequence) pairs.
+
+    With ``ahead`` it is driven as the engine's async loop drives it: the step after a
+    launched one is scheduled (``schedule_ahead``) and run before the launched one is
+    postprocessed. Returns the finished sequences; ``scheduler.ahead_steps`` counts the
+    ahead steps run.
+    """
     model = model if model is not None else FakeModel(scheduler.block_manager)
     pending = sorted(arrivals, key=lambda item: item[0])
     finished: list[Sequence] = []
+    launched: tuple[ScheduledBatch, dict] | None = None
+    scheduler.ahead_steps = 0
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             scheduler.add(pending.pop(0)[1])
-        if not scheduler.has_unfinished():
-            if not pending:
-                return finished
-            continue
-        batch = scheduler.schedule()
-        check_batch(scheduler, batch)
-        finished += scheduler.postprocess(batch, model.step(batch))
+        if launched is None:
+            if not scheduler.has_unfinished():
+                if not pending:
+                    return finished
+                continue
+            batch = scheduler.schedule()
+            check_batch(scheduler, batch)
+            launched = (batch, model.step(batch))
+        following = None
+        if ahead and (batch := scheduler.schedule_ahead(launched[0])) is not None:
+            check_ahead(scheduler, launched[0], batch)
+            following = (batch, model.step(batch, launched[1]))
+            scheduler.ahead_steps += 1
+        finished += scheduler.postprocess(*launched)
+        launched = following
     raise AssertionError("the scheduler did not finish every request")
 
 
@@ -262,10 +303,82 @@ def test_postprocess_requires_a_token_for_each_sampling_sequence() -> None:
         scheduler.postprocess(scheduler.schedule(), {})
 
 
+def test_schedule_ahead_drops_rows_of_sequences_that_stopped() -> None:
+    """Ahead steps run while every sequence decodes; the row of a sequence that stopped on
+    EOS in the step before is computed and dropped, one that reached max_tokens is left
+    out, and nothing leaks."""
+    scheduler = make_scheduler(num_blocks=16, block_size=2, max_num_seqs=4)
+    cases = {
+        0: (SamplingParams(max_tokens=9), [3, 4, EOS]),
+        1: (SamplingParams(max_tokens=2, ignore_eos=True), [3, 4]),
+        2: (SamplingParams(max_tokens=6, stop_token_ids=[9]), [5, 9]),
+        3: (SamplingParams(max_tokens=6, ignore_eos=True), [3, 4, 5, 6, 7, 8]),
+    }
+    seqs = [Sequence(i, [1, 2, 3], params) for i, (params, _) in cases.items()]
+    for seq in seqs:
+        scheduler.add(seq)
+    outputs: dict[int, int] = {i: 0 for i in cases}  # tokens drawn per sequence so far
+
+    def draw(batch: ScheduledBatch) -> dict:
+        sampled = {}
+        for seq in batch.seqs:
+            script = cases[seq.seq_id][1]
+            step = outputs[seq.seq_id]
+            outputs[seq.seq_id] += 1
+            sampled[seq.seq_id] = (script[step] if step < len(script) else 7, {})
+        return sampled
+
+    launched = (first := scheduler.schedule(), draw(first))
+    ahead_sizes = []
+    while launched is not None:
+        batch = scheduler.schedule_ahead(launched[0])
+        following = None
+        if batch is not None:
+            check_ahead(scheduler, launched[0], batch)
+            ahead_sizes.append([seq.seq_id for seq in batch.seqs])
+            following = (batch, draw(batch))
+        scheduler.postprocess(*launched)
+        if following is None and scheduler.has_unfinished():
+            following = (batch := scheduler.schedule(), draw(batch))
+        launched = following
+    # The prompts' step is synchronous; the first decode step draws everyone's 2nd token,
+    # sequence 1's last, so the ahead step after it leaves 1 out; 2 stops on that token
+    # (known late): the first ahead step computes its row for nothing, as the second does
+    # for 0 (EOS on its 3rd token). Then 3 decodes alone until its max_tokens.
+    assert ahead_sizes == [[0, 2, 3], [0, 3], [3], [3]]
+    for seq in seqs:
+        script = cases[seq.seq_id][1]
+        assert seq.status is SequenceStatus.FINISHED
+        assert seq.output_token_ids == script
+        assert len(seq.output_logprobs) == len(script)
+    assert [s.finish_reason for s in seqs] == ["stop", "length", "stop", "length"]
+    assert scheduler.block_manager.num_free_blocks == 15
+
+
+def test_schedule_ahead_declines_outside_the_decode_steady_state() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=2)
+    scheduler.add(Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True)))
+    prefill = scheduler.schedule()
+    assert scheduler.schedule_ahead(prefill) is None  # a prefill step: its tokens are many
+    scheduler.postprocess(prefill, {0: (4, {})})
+    decode = scheduler.schedule()
+    scheduler.add(Sequence(1, [1, 2], SamplingParams(max_tokens=2)))
+    assert scheduler.schedule_ahead(decode) is None  # a waiting sequence could join
+    scheduler.waiting.clear()
+    # Position 6 starts a 4th block; 7 blocks are usable, 3 held: take all others.
+    hoard = Sequence(2, [1] * 8, SamplingParams())
+    scheduler.block_manager.append_slots(hoard, 8)
+    assert scheduler.schedule_ahead(decode) is None  # no free block for position 6
+    scheduler.block_manager.free(hoard)
+    assert scheduler.schedule_ahead(decode) is not None
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_random_workloads_finish_every_request_exactly(data: st.DataObject) -> None:
-    """Random arrivals, lengths, budgets and tiny caches: every request ends as if alone."""
+def test_random_workloads_finish_every_request_exactly(ahead: bool, data: st.DataObject) -> None:
+    """Random arrivals, lengths, budgets and tiny caches: every request ends as if alone,
+    also when steps are scheduled ahead of the previous step's tokens."""
     block_size = data.draw(st.sampled_from([1, 2, 3, 4, 8]), label="block_size")
     base = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=24, max_size=24))
     requests = []
@@ -291,8 +404,9 @@ def test_random_workloads_finish_every_request_exactly(data: st.DataObject) -> N
         prefix_caching=data.draw(st.booleans(), label="prefix_caching"),
     )
     prompts = {seq.seq_id: list(seq.token_ids) for _, seq in requests}
-    finished = run_to_completion(scheduler, requests)
+    finished = run_to_completion(scheduler, requests, ahead=ahead)
     event(f"preempted: {scheduler.num_preemptions > 0}")
+    event(f"ahead steps: {scheduler.ahead_steps > 0}")
     assert sorted(seq.seq_id for seq in finished) == sorted(prompts)
     for _, seq in requests:
         tokens, reason = reference_output(prompts[seq.seq_id], seq.params)

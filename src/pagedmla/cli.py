@@ -29,6 +29,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay CUDA graphs for decode steps")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="wait for each step's tokens before planning the next")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks to shard the model over (processes started here, or torchrun)")
@@ -53,6 +55,7 @@ def _make_llm(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         backend=args.backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,

@@ -52,7 +52,13 @@ class DriverRunner(ModelRunner):
         super().__init__(*args)
         self.runtime = runtime
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(
+        self, batch: ScheduledBatch, device_token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if batch.ahead or device_token_ids is not None:
+            # The workers get host inputs by broadcast: tokens still on rank 0's device
+            # would need a device broadcast in step (LLM turns async scheduling off here).
+            raise ValueError("tensor parallel steps take host token ids, not ahead batches")
         token_ids, positions, spec = self.prepare(batch)
         step = StepInputs(token_ids, positions, spec, self.sample_rows(batch))
         with self.runtime.watching_workers():

@@ -216,10 +216,19 @@ class DecodeGraphs:
         positions: torch.Tensor,
         spec: BatchSpec,
         sample_rows: list[int],
+        device_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Replay a decode step of B <= max_batch single-token requests (host inputs)."""
-        rows = self.sizes[bisect.bisect_left(self.sizes, token_ids.shape[0])]
+        """Replay a decode step of B <= max_batch single-token requests (host inputs;
+        device_token_ids [B], when given, replaces token_ids on the device)."""
+        batch = token_ids.shape[0]
+        rows = self.sizes[bisect.bisect_left(self.sizes, batch)]
         index = self.inputs.stage(rows, token_ids, positions, spec, sample_rows)
+        if device_token_ids is not None:
+            self.inputs.token_ids[:batch].copy_(device_token_ids)
         graph, logits = self.graphs[rows]
         graph.replay()
+        if sample_rows == list(range(len(sample_rows))):
+            # Decode steps sample every row: a view of the static logits, no extra launch
+            # (the sampler reads them before the next replay, in stream order).
+            return logits[: len(sample_rows)]
         return logits.index_select(0, index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -15,14 +16,26 @@ from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from pagedmla.engine.sampler import sample
+from pagedmla.engine.sampler import DrawnTokens, draw
 from pagedmla.engine.sampling_params import SamplingParams
-from pagedmla.engine.scheduler import Scheduler
+from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_model
 from pagedmla.ops import get_backend
 from pagedmla.routing import PathCostModel
+
+
+@dataclass
+class _Launched:
+    """A step enqueued on the device: its batch, the entries it samples (in row order)
+    and their tokens on the way to the host (None when it samples nothing)."""
+
+    batch: ScheduledBatch
+    sampled: list[Sequence]
+    drawn: DrawnTokens | None
+    tick: float  # when its launch began (perf_counter)
+
 
 # Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
 _CPU_CACHE_TOKENS = 64 * 1024
@@ -48,6 +61,10 @@ class LLM:
     captured at start-up for a ladder of batch sizes; enforce_eager turns that off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
+    async_scheduling (one process only) plans and enqueues each steady-state decode step
+    while the device still runs the one before (`Scheduler.schedule_ahead`), its token
+    ids read on the device from that step's samples, so the host's scheduling, input
+    preparation and bookkeeping overlap the device instead of adding to every step.
     """
 
     def __init__(
@@ -71,6 +88,7 @@ class LLM:
         cp_kv_cache_interleave_size: int = 1,
         enforce_eager: bool = False,
         route_by_cost: bool = True,
+        async_scheduling: bool = True,
     ) -> None:
         # The arguments as given: spawned tensor parallel ranks construct the same LLM.
         options = {name: value for name, value in locals().items() if name != "self"}
@@ -139,7 +157,9 @@ class LLM:
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
                 max_model_len=self.max_model_len,
             )
+        self.async_scheduling = async_scheduling and self.parallel is None
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._last_done = 0.0  # when the last step completed (perf_counter)
         self._next_id = 0
         self.stats = EngineStats()
         if self.parallel is not None:
@@ -256,31 +276,81 @@ class LLM:
             if seq.params.seed is not None
         }
         start = time.perf_counter()
+        self._last_done = start
         preemptions = self.scheduler.num_preemptions
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            while self.scheduler.has_unfinished():
-                finished = self.step(generators, start)
-                bar.update(len(finished))
+            launched: _Launched | None = None
+            while launched is not None or self.scheduler.has_unfinished():
+                if launched is None:
+                    launched = self.launch(self.scheduler.schedule(), generators)
+                ahead = (
+                    self.scheduler.schedule_ahead(launched.batch)
+                    if self.async_scheduling
+                    else None
+                )
+                following = None if ahead is None else self.launch(ahead, generators, launched)
+                bar.update(len(self.complete(launched, start)))
+                launched = following
         self.stats.preemptions = self.scheduler.num_preemptions - preemptions
         return [self._output(text, seq) for text, seq in requests]
 
     def step(self, generators: dict[int, torch.Generator], start: float) -> list[Sequence]:
         """Schedule, run and sample one step; returns the sequences it finished."""
-        batch = self.scheduler.schedule()
+        return self.complete(self.launch(self.scheduler.schedule(), generators), start)
+
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        generators: dict[int, torch.Generator],
+        before: _Launched | None = None,
+    ) -> _Launched:
+        """Enqueue a step's forward and sampling without waiting for the device.
+
+        An ``ahead`` batch reads its token ids from ``before``'s samples on the device.
+        """
         tick = time.perf_counter()
-        logits = self.runner.run(batch)
-        to_sample = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
-        sampled: dict[int, tuple[int, dict[int, float]]] = {}
-        if to_sample:
-            token_ids, logprobs = sample(
+        device_token_ids = None
+        if batch.ahead:
+            if before is None:
+                raise ValueError("an ahead batch needs the launched step before it")
+            row_of = {seq.seq_id: row for row, seq in enumerate(before.sampled)}
+            rows = [row_of[seq.seq_id] for seq in batch.seqs]
+            device_token_ids = before.drawn.token_ids
+            if rows != list(range(len(rows))):
+                # Pinned, so that the copy does not wait for the step still running.
+                index = torch.tensor(rows, dtype=torch.int64,
+                                     pin_memory=self.device.type == "cuda")
+                device_token_ids = device_token_ids.index_select(
+                    0, index.to(self.device, non_blocking=True)
+                )
+            else:
+                device_token_ids = device_token_ids[: len(rows)]
+        logits = self.runner.run(batch, device_token_ids)
+        sampled = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
+        drawn = None
+        if sampled:
+            drawn = draw(
                 logits,
-                [seq.params for seq in to_sample],
-                [generators.get(seq.seq_id, self.generator) for seq in to_sample],
+                [seq.params for seq in sampled],
+                [generators.get(seq.seq_id, self.generator) for seq in sampled],
             )
-            for seq, token, lp in zip(to_sample, token_ids.tolist(), logprobs, strict=True):
+        return _Launched(batch, sampled, drawn, tick)
+
+    def complete(self, launched: _Launched, start: float) -> list[Sequence]:
+        """Wait for a launched step's samples and account for it; returns the sequences
+        it finished."""
+        batch = launched.batch
+        sampled: dict[int, tuple[int, dict[int, float]]] = {}
+        if launched.drawn is not None:
+            token_ids, logprobs = launched.drawn.result()
+            for seq, token, lp in zip(launched.sampled, token_ids, logprobs, strict=True):
                 sampled[seq.seq_id] = (token, lp)
-        elapsed = time.perf_counter() - tick
-        now = time.perf_counter() - start
+        done = time.perf_counter()
+        # Steps overlap: a step's time runs from the later of its launch and the end of
+        # the step before, so that the steps' times add up to the wall time.
+        elapsed = done - max(launched.tick, self._last_done)
+        self._last_done = done
+        now = done - start
         decode_tokens = sum(1 for n in batch.num_new_tokens if n == 1)
         prefill_tokens = batch.num_tokens - decode_tokens
         self.stats.steps += 1
@@ -289,7 +359,7 @@ class LLM:
         # A mixed step's time is split between the two in proportion to their tokens.
         self.stats.decode_time += elapsed * decode_tokens / batch.num_tokens
         self.stats.prefill_time += elapsed * prefill_tokens / batch.num_tokens
-        for seq in to_sample:
+        for seq in launched.sampled:
             self.stats.first_token_times.setdefault(seq.seq_id, now)
         return self.scheduler.postprocess(batch, sampled)
 

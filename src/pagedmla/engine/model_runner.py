@@ -42,10 +42,12 @@ class ModelRunner:
         Runs every step for every sequence, so the only per-sequence Python is reading
         its counters and token ids; the block table comes from the block manager's
         int32 mirror and positions and slots are computed with numpy over all T tokens.
+        An ``ahead`` batch's token ids are not known yet: they are 0 here and come from
+        the device (``execute``'s ``device_token_ids``).
         """
         seqs = batch.seqs
         num_new = batch.num_new_tokens
-        starts = [seq.num_computed_tokens for seq in seqs]
+        starts = [seq.num_computed_tokens + batch.ahead for seq in seqs]
         num_seqs = len(seqs)
         if len(num_new) != num_seqs:
             raise ValueError(f"{num_seqs} sequences but {len(num_new)} num_new_tokens")
@@ -53,7 +55,11 @@ class ModelRunner:
         table = self.block_manager.block_tables(seqs)
         num_tokens = sum(num_new)
         if num_tokens == num_seqs:  # one token each (decodes): no ranges to expand
-            token_ids = [seq.token_ids[start] for seq, start in zip(seqs, starts)]
+            token_ids = (
+                [0] * num_seqs
+                if batch.ahead
+                else [seq.token_ids[start] for seq, start in zip(seqs, starts)]
+            )
             positions = np.array(starts, dtype=np.int64)
             token_rows = np.arange(num_seqs)
         else:
@@ -86,10 +92,17 @@ class ModelRunner:
         ends = itertools.accumulate(batch.num_new_tokens)
         return [end - 1 for end, needs in zip(ends, batch.needs_sample, strict=True) if needs]
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward one step; returns logits [S, vocab] float32 for the S sequences to sample."""
+    def run(
+        self, batch: ScheduledBatch, device_token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forward one step; returns logits [S, vocab] float32 for the S sequences to
+        sample. device_token_ids [T] (on the device) replaces the host token ids: an
+        ``ahead`` batch needs it."""
+        if batch.ahead and device_token_ids is None:
+            raise ValueError("an ahead batch takes its token ids from device_token_ids")
         token_ids, positions, spec = self.prepare(batch)
-        return self.execute(token_ids, positions, spec, self.sample_rows(batch))
+        return self.execute(token_ids, positions, spec, self.sample_rows(batch),
+                            device_token_ids)
 
     @torch.inference_mode()
     def execute(
@@ -98,19 +111,23 @@ class ModelRunner:
         positions: torch.Tensor,
         spec: BatchSpec,
         sample_rows: list[int],
+        device_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward prepared host inputs (token_ids [T], positions [T], spec); returns the
-        logits [S, vocab] float32 of the S token rows in sample_rows."""
+        logits [S, vocab] float32 of the S token rows in sample_rows. device_token_ids
+        [T] int64 on the device, when given, is fed instead of token_ids."""
         graphs = self.graphs
         if (
             graphs is not None
             and len(spec.query_lens) <= graphs.max_batch
             and all(q == 1 for q in spec.query_lens)
         ):
-            return graphs.run(token_ids, positions, spec, sample_rows)
+            return graphs.run(token_ids, positions, spec, sample_rows, device_token_ids)
         meta = self.builder.build(spec)
+        if device_token_ids is None:
+            device_token_ids = token_ids.to(self.device, non_blocking=True)
         hidden = self.model(
-            token_ids.to(self.device, non_blocking=True),
+            device_token_ids,
             positions.to(self.device, non_blocking=True),
             self.caches,
             meta,

@@ -33,6 +33,65 @@ def sample(
             tokens plus the sampled one, taken from ``log_softmax`` of the raw logits
             (before temperature, top-k and top-p); empty when ``params.logprobs`` is None.
     """
+    drawn = draw(logits, params, generators)
+    return drawn.token_ids, drawn.result()[1]
+
+
+class DrawnTokens:
+    """Tokens drawn on the device and their copies on the way to the host.
+
+    ``token_ids`` [B] int64 stays on the device, where the next step can read it
+    before the host has seen it; ``result()`` waits for the host copies only.
+    """
+
+    def __init__(
+        self, token_ids: torch.Tensor, top: tuple[torch.Tensor, ...] | None,
+        wanted: list[int | None],
+    ) -> None:
+        self.token_ids = token_ids
+        self._wanted = wanted
+        device = token_ids.device
+        tensors = (token_ids,) + (top or ())
+        if device.type == "cuda":
+            # Pinned copies that do not wait: a later .tolist() on the device tensors
+            # would also wait for whatever the stream runs after this step.
+            self._host = [torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device))
+        else:
+            self._host, self._copied = list(tensors), None
+
+    def wait(self) -> None:
+        """Block until the host copies have landed."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def result(self) -> tuple[list[int], list[dict[int, float]]]:
+        """The token ids [B] and per-row logprob dicts (see ``sample``), on the host."""
+        self.wait()
+        token_ids = self._host[0].tolist()
+        result: list[dict[int, float]] = [{} for _ in self._wanted]
+        if len(self._host) == 1:
+            return token_ids, result
+        top_values, top_ids, sampled = (t.tolist() for t in self._host[1:])
+        for row, k in enumerate(self._wanted):
+            if k is None:
+                continue
+            entries = dict(zip(top_ids[row][:k], top_values[row][:k], strict=True))
+            entries[token_ids[row]] = sampled[row]
+            result[row] = entries
+        return token_ids, result
+
+
+def draw(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> DrawnTokens:
+    """``sample`` without waiting for the device: the arguments as there; the tokens and
+    logprobs come from the returned ``DrawnTokens``."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     if not len(params) == len(generators) == logits.shape[0]:
@@ -48,7 +107,8 @@ def sample(
         probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
         noise = _exponential_noise(probs, [generators[i] for i in random_rows])
         token_ids[rows] = (probs / noise).argmax(dim=-1)
-    return token_ids, _top_logprobs(logits, token_ids, params)
+    wanted = [p.logprobs for p in params]
+    return DrawnTokens(token_ids, _top_logprobs(logits, token_ids, wanted), wanted)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -90,24 +150,13 @@ def _exponential_noise(
 
 
 def _top_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> list[dict[int, float]]:
-    """Per row, the requested number of top log-probabilities plus the sampled token's."""
-    result: list[dict[int, float]] = [{} for _ in params]
-    wanted = [p.logprobs for p in params]
+    logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """On the device: the top log-probabilities [B, K] and their ids [B, K] for the most
+    any row wants (K), and the sampled tokens' log-probabilities [B]; None if no row asks."""
     if all(k is None for k in wanted):
-        return result
+        return None
     logprobs = torch.log_softmax(logits, dim=-1)
     num_top = min(max(k for k in wanted if k is not None), logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    sampled_values = logprobs.gather(-1, token_ids[:, None])[:, 0]
-    # One device-to-host copy per tensor for the whole batch.
-    top_values_host, top_ids_host = top_values.tolist(), top_ids.tolist()
-    sampled_host, token_ids_host = sampled_values.tolist(), token_ids.tolist()
-    for row, k in enumerate(wanted):
-        if k is None:
-            continue
-        entries = dict(zip(top_ids_host[row][:k], top_values_host[row][:k], strict=True))
-        entries[token_ids_host[row]] = sampled_host[row]
-        result[row] = entries
-    return result
+    return top_values, top_ids, logprobs.gather(-1, token_ids[:, None])[:, 0]

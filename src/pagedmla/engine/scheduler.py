@@ -32,11 +32,16 @@ class ScheduledBatch:
     ``needs_sample[i]`` is true when the chunk reaches the sequence's last known token
     (``c + n == num_tokens``): only then do the logits of the chunk's last token predict
     a new token. A prefill chunk that stops inside the known tokens samples nothing.
+
+    ``ahead`` marks a step that ``Scheduler.schedule_ahead`` planned while the step
+    before it still ran: every entry then feeds the token that step samples, not yet
+    known on the host, at position ``c + 1`` (seq_len ``c + 2``).
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     needs_sample: list[bool]
+    ahead: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -195,13 +200,57 @@ class Scheduler:
             self.block_manager.append_slots(seq, 1)
         return ScheduledBatch(list(running), [1] * num_seqs, [True] * num_seqs)
 
+    def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``launched``, before its sampled tokens are known; or None.
+
+        Lets the host plan and enqueue step n+1 while the device runs step n. Applies
+        only where the synchronous path would schedule a plain decode step: ``launched``
+        (whose predecessors are all postprocessed) holds every running sequence, each
+        decoding one token, besides rows of sequences that finished in the step before
+        it; no waiting sequence could be admitted; and the free blocks
+        cover every sequence whose next token starts a block, so nothing is preempted.
+        Sequences that reach max_tokens with ``launched``'s token are left out; one that
+        stops on EOS or a stop token is only known later, so its row is computed and then
+        dropped by ``postprocess``. Call ``postprocess(launched)`` before ``postprocess``
+        of the returned step.
+        """
+        running = self.running
+        live = [seq for seq in launched.seqs if seq.status is not SequenceStatus.FINISHED]
+        if (
+            len(live) != len(running)
+            or any(n != 1 for n in launched.num_new_tokens)
+            or not all(launched.needs_sample)
+        ):
+            return None
+        block_size = self.block_manager.block_size
+        seqs: list[Sequence] = []
+        starting_block: list[Sequence] = []
+        for seq, same in zip(live, running, strict=True):
+            if seq is not same or seq.num_computed_tokens == 0:
+                return None
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens:
+                continue  # launched's token is its last
+            seqs.append(seq)
+            # This step writes position c + 1: a new block when c + 1 ends the table.
+            if seq.num_computed_tokens + 1 == len(seq.block_table) * block_size:
+                starting_block.append(seq)
+        room = min(self.max_num_seqs, self.max_num_batched_tokens)
+        if not seqs or (self.waiting and len(seqs) < room):
+            return None
+        if len(starting_block) > self.block_manager.num_free_blocks:
+            return None
+        for seq in starting_block:
+            self.block_manager.append_slots(seq, 2)  # positions c (launched) and c + 1
+        return ScheduledBatch(seqs, [1] * len(seqs), [True] * len(seqs), ahead=True)
+
     def postprocess(
         self, batch: ScheduledBatch, sampled: dict[int, tuple[int, dict[int, float]]]
     ) -> list[Sequence]:
         """Account for a finished step and return the sequences it finished.
 
         ``sampled`` maps ``seq_id`` to ``(token_id, logprobs)`` for every entry with
-        ``needs_sample``; other entries are ignored.
+        ``needs_sample``; other entries are ignored, as are the entries of an ``ahead``
+        step whose sequence finished in the step before.
         """
         finished: list[Sequence] = []
         manager = self.block_manager
@@ -209,6 +258,8 @@ class Scheduler:
         for seq, num_new, needs_sample in zip(
             batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
         ):
+            if batch.ahead and seq.status is SequenceStatus.FINISHED:
+                continue  # stopped in the step before: this row was computed for nothing
             computed = seq.num_computed_tokens + num_new
             seq.num_computed_tokens = computed
             # commit registers the blocks filled since its last call, which follows every
