@@ -22,8 +22,9 @@ def absorbed_decode(
     meta: DecodeMetadata,
     softmax_scale: float,
     ops: Backend,
-) -> torch.Tensor:
-    """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> [Td, N, V]."""
+    out: torch.Tensor,
+) -> None:
+    """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> out [Td, N, V]."""
     P = W_UK.shape[1]
     L = W_UK.shape[2]
     q_nope, q_pe = q[..., :P], q[..., P:]
@@ -48,4 +49,4 @@ def absorbed_decode(
     )
     if meta.dcp is not None:
         latent_out = meta.dcp.combine(latent_out, lse)
-    return torch.bmm(latent_out.transpose(0, 1), W_UV).transpose(0, 1)
+    torch.bmm(latent_out.transpose(0, 1), W_UV, out=out.transpose(0, 1))

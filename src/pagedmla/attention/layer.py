@@ -90,8 +90,9 @@ class MLAAttention(nn.Module):
         out = torch.empty(q.shape[0], d.num_heads, d.v_head_dim, dtype=q.dtype, device=q.device)
         Td = meta.num_decode_tokens
         if meta.decode is not None:
-            out[:Td] = absorbed_decode(
-                q[:Td], self.W_UK, self.W_UV, cache, meta.decode, self.softmax_scale, ops
+            absorbed_decode(
+                q[:Td], self.W_UK, self.W_UV, cache, meta.decode, self.softmax_scale, ops,
+                out[:Td],
             )
         if meta.prefill is not None:
             mha_prefill(

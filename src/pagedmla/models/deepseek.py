@@ -19,7 +19,8 @@ from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.moe import DenseMLP, MoE, empty_linear
-from pagedmla.models.rope import RotaryEmbedding, apply_rope
+from pagedmla.models.rope import RotaryEmbedding
+from pagedmla.ops import get_backend
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -29,17 +30,27 @@ _W13_PARTS = ("gate_proj", "up_proj")  # w13 rows: gate first, then up
 
 
 class RMSNorm(nn.Module):
-    """x [..., D] -> weight * x / rms(x), the normalisation computed in float32."""
+    """x [..., D] -> weight * x / rms(x), the normalisation computed in float32; the
+    backend's kernel (`rms_norm`, `add_rms_norm`) does the work."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return get_backend(self.backend, x.device).rms_norm(x, self.weight, self.eps)
+
+    def fused_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass where the backend fuses it."""
+        ops = get_backend(self.backend, x.device)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DeepseekAttention(nn.Module):
@@ -65,10 +76,10 @@ class DeepseekAttention(nn.Module):
             self.q_proj = empty_linear(H, N * d.qk_head_dim, dtype, device)
         else:
             self.q_a_proj = empty_linear(H, d.q_lora_rank, dtype, device)
-            self.q_a_layernorm = RMSNorm(d.q_lora_rank, eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, eps, dtype, device, backend)
             self.q_b_proj = empty_linear(d.q_lora_rank, N * d.qk_head_dim, dtype, device)
         self.kv_a_proj_with_mqa = empty_linear(H, L + d.qk_rope_head_dim, dtype, device)
-        self.kv_a_layernorm = RMSNorm(L, eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(L, eps, dtype, device, backend)
         self.kv_b_proj = empty_linear(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
         self.o_proj = empty_linear(N * d.v_head_dim, H, dtype, device)
         self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
@@ -82,7 +93,7 @@ class DeepseekAttention(nn.Module):
         meta: MLAMetadata,
     ) -> torch.Tensor:
         d = self.dims
-        T, P, L = hidden.shape[0], d.qk_nope_head_dim, d.kv_lora_rank
+        T, L = hidden.shape[0], d.kv_lora_rank
         if d.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
@@ -90,11 +101,11 @@ class DeepseekAttention(nn.Module):
         q = q.view(T, d.num_heads, d.qk_head_dim)
         latent = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(latent[:, :L])
-        k_pe = latent[:, L:]
-        if cos is not None:
-            q = torch.cat((q[..., :P], apply_rope(q[..., P:], cos, sin, self.interleaved)), -1)
-            k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
-        return self.o_proj(self.attn(q, kv_c, k_pe.contiguous(), cache, meta))
+        if cos is None:
+            k_pe = latent[:, L:].contiguous()
+        else:  # q's rope dims in place (q is this layer's own projection)
+            k_pe = self.attn.ops(q.device).rotary(q, latent[:, L:], cos, sin, self.interleaved)
+        return self.o_proj(self.attn(q, kv_c, k_pe, cache, meta))
 
 
 class DecoderLayer(nn.Module):
@@ -106,9 +117,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(H, eps, dtype, device)
+        self.input_layernorm = RMSNorm(H, eps, dtype, device, backend)
         self.self_attn = DeepseekAttention(config, dtype, device, backend)
-        self.post_attention_layernorm = RMSNorm(H, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(H, eps, dtype, device, backend)
         if config.is_moe_layer(layer):
             self.mlp: nn.Module = MoE(config, dtype, device)
         else:
@@ -117,13 +128,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
         cache: LatentKVCache,
         meta: MLAMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (mlp output, residual stream before it); the stream is
+        hidden + residual, or hidden alone for the first layer (residual None). Each
+        residual add is fused with the norm after it."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.fused_add(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, cache, meta)
+        hidden, residual = self.post_attention_layernorm.fused_add(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -150,7 +170,7 @@ class DeepseekForCausalLM(nn.Module):
             DecoderLayer(config, i, dtype, device, backend)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(H, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(H, config.rms_norm_eps, dtype, device, backend)
         self.lm_head = None if config.tie_word_embeddings else empty_linear(H, vocab, dtype, device)
         self.rotary = None
         if config.qk_rope_head_dim:
@@ -177,9 +197,10 @@ class DeepseekForCausalLM(nn.Module):
         cos = sin = None
         if self.rotary is not None:
             cos, sin = self.rotary(positions)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            hidden = layer(hidden, cos, sin, cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
+        return self.norm(hidden) if residual is None else self.norm.fused_add(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] (from forward) -> logits [B, vocab] float32."""

@@ -3,7 +3,8 @@
 DeepSeek checkpoints store q_pe / k_pe *interleaved*: dims (2i, 2i+1) form the pair that
 frequency i rotates (DeepSeek-V2 writes this as a complex product over adjacent pairs).
 Non-interleaved checkpoints pair dim i with dim i + R/2 (the "rotate half" layout).
-Either way `apply_rope` returns the rotated pairs as [first members | second members].
+Either way the rotation (the backend op `rotary`) returns the rotated pairs as [first
+members | second members].
 For interleaved inputs that permutes the output relative to the V2 complex form, but
 q_pe and k_pe get the same permutation, so every q·k and the attention are unchanged.
 """
@@ -101,22 +102,3 @@ class RotaryEmbedding(nn.Module):
             self._build(positions.device)
         return self._cos[positions], self._sin[positions]
 
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
-) -> torch.Tensor:
-    """Rotate x [T, ..., R] by per-token cos/sin [T, R/2]; returns [T, ..., R] in x's dtype.
-
-    Computed in float32 so that low-precision models lose nothing to the rotation.
-    """
-    half = x.shape[-1] // 2
-    xf = x.float()
-    if interleaved:
-        first, second = xf[..., 0::2], xf[..., 1::2]
-    else:
-        first, second = xf[..., :half], xf[..., half:]
-    # Broadcast the per-token tables over any head dims between T and R.
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-    return rotated.to(x.dtype)

@@ -17,7 +17,7 @@ from pagedmla.ops import reference
 
 @dataclass(frozen=True)
 class Backend:
-    """The ops one MLA step needs (signatures as in `pagedmla.ops.reference`)."""
+    """The ops one MLA model step needs (signatures as in `pagedmla.ops.reference`)."""
 
     name: str
     write_cache: Callable[..., None]
@@ -25,6 +25,10 @@ class Backend:
     mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge_attn_states: Callable[..., None]
+    # The model's other per-token ops, fused where the backend can.
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., torch.Tensor]
     # Decode ops neither synchronise with the host nor allocate by device values, so
     # a decode step can be captured in a CUDA graph.
     graph_safe: bool = False
@@ -37,6 +41,9 @@ REFERENCE = Backend(
     mla_decode=reference.mla_decode,
     varlen_attention=reference.varlen_attention,
     merge_attn_states=reference.merge_attn_states,
+    rms_norm=reference.rms_norm,
+    add_rms_norm=reference.add_rms_norm,
+    rotary=reference.rotary,
 )
 
 _LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}

@@ -206,3 +206,54 @@ def merge_attn_states(
     output.copy_(merged.to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(merged_lse.squeeze(-1).transpose(0, 1))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, D] (rows may be strided) -> weight * x / rms(x) [T, D].
+
+    The normalisation is computed in float32 and rounded to x's dtype before the weight
+    multiplies it, as in the Hugging Face DeepSeek models.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for x, residual [T, D]; the sum is rounded
+    to x's dtype first, as a residual stream in that dtype is."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate x [T, ..., R] by per-token cos/sin [T, R/2]; returns [T, ..., R] in x's
+    dtype, the rotated pairs as [first members | second members] (pairs are (2i, 2i+1)
+    when interleaved, else (i, i + R/2))."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    if interleaved:
+        first, second = xf[..., 0::2], xf[..., 1::2]
+    else:
+        first, second = xf[..., :half], xf[..., half:]
+    # Broadcast the per-token tables over any head dims between T and R.
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rotary(
+    q: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
+    """Rotary embedding of one MLA step: rotates the last R dims of q [T, N, P + R] in
+    place and returns k_pe [T, R] (rows may be strided) rotated, as a new contiguous
+    tensor; cos/sin [T, R/2] float32 (see `apply_rope`)."""
+    R = k_pe.shape[-1]
+    q[..., q.shape[-1] - R :] = apply_rope(q[..., q.shape[-1] - R :], cos, sin, interleaved)
+    return apply_rope(k_pe, cos, sin, interleaved)

@@ -15,8 +15,10 @@ from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
+from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
 from pagedmla.ops.triton.prefill import varlen_attention
 from pagedmla.ops.triton.prefill_select import varlen_attention as prefill_attention
+from pagedmla.ops.triton.rope import rotary
 
 TRITON_BACKEND = Backend(
     name="triton",
@@ -25,15 +27,21 @@ TRITON_BACKEND = Backend(
     mla_decode=mla_decode,
     varlen_attention=prefill_attention,
     merge_attn_states=merge_attn_states,
+    rms_norm=rms_norm,
+    add_rms_norm=add_rms_norm,
+    rotary=rotary,
     graph_safe=True,
 )
 
 __all__ = [
     "TRITON_BACKEND",
+    "add_rms_norm",
     "gather_cache",
     "merge_attn_states",
     "mla_decode",
     "prefill_attention",
+    "rms_norm",
+    "rotary",
     "varlen_attention",
     "write_cache",
 ]
