@@ -29,7 +29,10 @@ from pagedmla.engine.sequence import Sequence
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 
 
-def bench_config(layers: int, hidden: int) -> dict:
+def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
+    """V2-Lite's attention and depth options; dense MLPs, or with `moe` V2-Lite's
+    experts after the first layer (64 routed, top 6, greedy softmax routing, 2 shared,
+    1408 wide)."""
     config = tiny_config()
     config.update(
         vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -37,6 +40,13 @@ def bench_config(layers: int, hidden: int) -> dict:
         q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, max_position_embeddings=8192,
     )
+    if moe:
+        config.update(
+            intermediate_size=10944, first_k_dense_replace=1, n_routed_experts=64,
+            num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+            n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+            norm_topk_prob=False, routed_scaling_factor=1.0,
+        )
     return config
 
 
@@ -100,15 +110,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
+    parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async")
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
-    config = bench_config(args.layers, args.hidden)
+    config = bench_config(args.layers, args.hidden, args.moe)
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
         write_tiny_checkpoint(directory, config=config)
         modes = {"eager": (True, False), "cuda_graphs": (False, False),
                  "cuda_graphs_async": (False, True)}
-        for mode, (eager, ahead) in modes.items():
+        for mode in args.modes.split(","):
+            eager, ahead = modes[mode]
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
                       max_num_seqs=args.batch, max_num_batched_tokens=16384,
                       enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead)
@@ -118,7 +131,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
-          f"{args.layers} layers, {results['gpu']}")
+          f"{args.layers} layers{' (MoE)' if args.moe else ''}, {results['gpu']}")
     print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
           "| tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results["runs"].items():

@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DeepseekAttention(config, dtype, device, backend)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, device, backend)
         if config.is_moe_layer(layer):
-            self.mlp: nn.Module = MoE(config, dtype, device)
+            self.mlp: nn.Module = MoE(config, dtype, device, backend)
         else:
             self.mlp = DenseMLP(H, config.intermediate_size, dtype, device)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedmla.models.config import DeepseekConfig
+from pagedmla.ops import get_backend
 
 
 def empty_linear(
@@ -88,8 +89,12 @@ class MoE(nn.Module):
     Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
     """
 
-    def __init__(self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
+        self.backend = backend
         E, H, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config, device)
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H, dtype=dtype, device=device))
@@ -108,53 +113,9 @@ class MoE(nn.Module):
         return out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's k experts of weight * expert(x): x [T, H] -> [T, H].
-
-        The T * k (token, expert) pairs are sorted by expert so that each expert runs one
-        matmul over a contiguous slice of its tokens; results are scattered back with
-        index_add. Only experts that received tokens are visited. An id >= E (an expert
-        another rank holds, under tensor parallelism) sorts last and is skipped.
-        """
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._experts_capturable(x, weights, ids)
-        T, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)
-        tokens = order // k  # pair p belongs to token p // k
-        pair_weights = weights.reshape(-1)[order]
-        num_experts = self.w13.shape[0]
-        counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
-        gathered = x[tokens]
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            gate, up = nn.functional.linear(gathered[start:end], self.w13[expert]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
-            # Weights are float32: scale and accumulate in float32, cast once at the end.
-            out.index_add_(0, tokens[start:end], y.float() * pair_weights[start:end, None])
-            start = end
-        return out.to(x.dtype)
-
-    def _experts_capturable(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """experts() without a host sync, for CUDA-graph capture of decode steps.
-
-        Every local expert runs on every token and is weighted by the token's routing
-        weight for it (0 when not chosen): shapes never depend on the routing, at the
-        price of E / k times the expert FLOPs. Decode batches are small and read every
-        expert's weights anyway, so the step stays bound by weight bytes.
-        """
-        num_experts = self.w13.shape[0]
-        dense = torch.zeros(x.shape[0], num_experts + 1, dtype=torch.float32, device=x.device)
-        # Experts held by other ranks (ids >= E) land in the dropped last column.
-        dense.scatter_add_(1, ids.clamp(max=num_experts), weights.float())
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for expert in range(num_experts):
-            gate, up = nn.functional.linear(x, self.w13[expert]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
-            out += y.float() * dense[:, expert, None]
-        return out.to(x.dtype)
+        """Sum over each token's k experts of weight * expert(x): x [T, H] -> [T, H]; an
+        id >= E (an expert another rank holds, under tensor parallelism) is skipped.
+        The backend's `fused_experts` does the work (the Triton one without a host
+        synchronisation, so that decode steps with experts can be captured in graphs)."""
+        ops = get_backend(self.backend, x.device)
+        return ops.fused_experts(x, self.w13, self.w2, weights, ids)

@@ -29,6 +29,7 @@ class Backend:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., torch.Tensor]
+    fused_experts: Callable[..., torch.Tensor]
     # Decode ops neither synchronise with the host nor allocate by device values, so
     # a decode step can be captured in a CUDA graph.
     graph_safe: bool = False
@@ -44,6 +45,7 @@ REFERENCE = Backend(
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,
+    fused_experts=reference.fused_experts,
 )
 
 _LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}

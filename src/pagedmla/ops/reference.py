@@ -257,3 +257,37 @@ def rotary(
     R = k_pe.shape[-1]
     q[..., q.shape[-1] - R :] = apply_rope(q[..., q.shape[-1] - R :], cos, sin, interleaved)
     return apply_rope(k_pe, cos, sin, interleaved)
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: sum over each token's k experts e = ids[t, j] of weights[t, j]
+    * w2[e] (silu(gate) * up), [gate | up] = w13[e] x[t]; x [T, H], w13 [E, 2I, H] (gate
+    rows, then up rows), w2 [E, H, I], weights [T, k] float32, ids [T, k] -> [T, H] in
+    x's dtype. Ids >= E (another rank's experts) contribute nothing.
+
+    The pairs are sorted by expert and each expert that got tokens runs one matmul over
+    them (the expert counts are read on the host: this op synchronises).
+    """
+    T, k = ids.shape
+    num_experts = w13.shape[0]
+    flat_ids = ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    tokens = order // k  # pair p belongs to token p // k
+    pair_weights = weights.reshape(-1)[order]
+    counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
+    gathered = x[tokens]
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        gate, up = torch.nn.functional.linear(gathered[start:end], w13[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        # Weights are float32: scale and accumulate in float32, cast once at the end.
+        out.index_add_(0, tokens[start:end], y.float() * pair_weights[start:end, None])
+        start = end
+    return out.to(x.dtype)

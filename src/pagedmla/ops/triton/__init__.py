@@ -15,6 +15,7 @@ from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
+from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
 from pagedmla.ops.triton.prefill import varlen_attention
 from pagedmla.ops.triton.prefill_select import varlen_attention as prefill_attention
@@ -30,12 +31,14 @@ TRITON_BACKEND = Backend(
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     rotary=rotary,
+    fused_experts=fused_experts,
     graph_safe=True,
 )
 
 __all__ = [
     "TRITON_BACKEND",
     "add_rms_norm",
+    "fused_experts",
     "gather_cache",
     "merge_attn_states",
     "mla_decode",

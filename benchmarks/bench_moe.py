@@ -1,0 +1,100 @@
+"""Routed experts on a GPU: the Triton `fused_experts` against PyTorch baselines.
+
+For DeepSeek-V2-Lite's experts (64, top 6, H 2048, I 1408) and DeepSeek-V3's (256, top 8,
+H 7168, I 2048) at token counts from decode to prefill, random routing (each token's k
+experts distinct) and bf16 weights, in one process:
+
+* fused: `ops.triton.fused_experts`, replayed from a CUDA graph (GPU time);
+* grouped: the reference op (pairs sorted by expert, one matmul per expert that got
+  tokens; reads the expert counts on the host), eager;
+* dense: every expert on every token, weighted by its routing weight (0 if not chosen),
+  the sync-free form the engine's decode graphs used before the fused op; graphed.
+
+Bytes: the weights of the experts the routing touches, plus x and the output; FLOPs:
+2 * T * k * 3 * H * I. Rates are compared with the card's HBM read rate and bf16 matmul
+rate, measured in the same run (`kernel_bench.ceilings`).
+
+    python3 benchmarks/bench_moe.py --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pagedmla.kernel_bench import bench, ceilings, graphed
+from pagedmla.ops import reference
+from pagedmla.ops.triton import fused_experts
+
+SHAPES = {  # name: (E, k, H, I, token counts)
+    "V2-Lite": (64, 6, 2048, 1408, (1, 16, 128, 512, 4096)),
+    "V3": (256, 8, 7168, 2048, (16, 128, 1024)),
+}
+
+
+def dense_experts(x, w13, w2, weights, ids) -> torch.Tensor:
+    """Every expert on every token, scaled by its routing weight: no host sync."""
+    E = w13.shape[0]
+    dense = torch.zeros(x.shape[0], E + 1, dtype=torch.float32, device=x.device)
+    dense.scatter_add_(1, ids.clamp(max=E), weights.float())
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        gate, up = torch.nn.functional.linear(x, w13[e]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        out += y.float() * dense[:, e, None]
+    return out.to(x.dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="moe.json")
+    args = parser.parse_args()
+    ceil = ceilings()
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, (E, k, H, inter, token_counts) in SHAPES.items():
+        w13 = (torch.randn(E, 2 * inter, H, device="cuda") / H**0.5).bfloat16()
+        w2 = (torch.randn(E, H, inter, device="cuda") / inter**0.5).bfloat16()
+        for T in token_counts:
+            x = torch.randn(T, H, generator=gen).bfloat16().cuda()
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).cuda()
+            weights = torch.rand(T, k, generator=gen).cuda()
+            args_ = (x, w13, w2, weights, ids)
+            want = reference.fused_experts(*args_).float()
+            got = fused_experts(*args_).float()
+            rel = float((got - want).norm() / want.norm())
+            if rel > 1e-2:
+                raise SystemExit(f"{name} T={T}: relative error {rel:.2e} against the reference")
+            touched = int(ids.unique().numel())
+            nbytes = touched * 3 * H * inter * 2 + 2 * T * H * 2
+            flops = 2 * T * k * 3 * H * inter
+            row = {"shape": name, "E": E, "k": k, "H": H, "I": inter, "T": T, "rel_err": rel,
+                   "experts_touched": touched, "bytes": nbytes, "flops": flops,
+                   "fused_us": bench(graphed(lambda a=args_: fused_experts(*a))),
+                   "grouped_us": bench(lambda a=args_: reference.fused_experts(*a))}
+            if E * T <= 64 * 512:  # every expert on every token: too slow beyond
+                row["dense_us"] = bench(graphed(lambda a=args_: dense_experts(*a)))
+            row["tbps"] = nbytes / row["fused_us"] / 1e6
+            row["tflops"] = flops / row["fused_us"] / 1e6
+            rows.append(row)
+            print(row, flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "ceilings": ceil, "results": rows}, f,
+                  indent=1)
+    print(f"\nceilings: HBM read {ceil['hbm_read_tbps']:.2f} TB/s, bf16 matmul "
+          f"{ceil['bf16_matmul_tflops']:.0f} TFLOP/s")
+    print("| experts | T | fused µs | TB/s (% read) | TFLOP/s | grouped µs | dense µs "
+          "| vs grouped | vs dense |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        dense = f"{r['dense_us']:.0f}" if "dense_us" in r else ""
+        vs_dense = f"{r['dense_us'] / r['fused_us']:.1f}x" if "dense_us" in r else ""
+        print(f"| {r['shape']} | {r['T']} | {r['fused_us']:.1f} | {r['tbps']:.2f} "
+              f"({100 * r['tbps'] / ceil['hbm_read_tbps']:.0f}%) | {r['tflops']:.0f} "
+              f"| {r['grouped_us']:.0f} | {dense} | {r['grouped_us'] / r['fused_us']:.1f}x "
+              f"| {vs_dense} |")
+
+
+if __name__ == "__main__":
+    main()

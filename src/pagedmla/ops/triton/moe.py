@@ -1,0 +1,177 @@
+"""Routed experts (the MoE's SwiGLU experts) as two grouped-GEMM Triton kernels.
+
+The T * k (token, expert) pairs are sorted by expert on the device and laid out in
+blocks of BLOCK_M rows, each block holding pairs of one expert only (an expert's last
+block is padded with empty rows). The layout's size is bounded by T * k + E * BLOCK_M
+whatever the routing, so nothing waits for the device and a decode step with experts
+can be captured in a CUDA graph; blocks past the used ones leave at once.
+
+* `_gate_up_kernel`, grid (blocks, I / BLOCK_N): a [BLOCK_M, BLOCK_N] tile of the gate
+  and the up projection of one block's tokens (rows of x gathered by token) against
+  that expert's w13 rows, and silu(gate) * up, stored to the block's rows of a scratch.
+* `_down_kernel`, grid (blocks, H / BLOCK_N): that scratch against the expert's w2,
+  scaled by each pair's routing weight, stored to the pair's own row of a [T * k, H]
+  float32 buffer, which a sum over k folds into tokens (no atomics: the order of the
+  additions is fixed).
+
+Each expert's weights are read once per block of its tokens: at decode batch sizes
+(a few tokens per expert) that is once per step, the bound of a weight-read-bound
+layer. Pairs whose expert id is >= E (another rank's, under tensor parallelism) are
+left out and contribute 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.ops.triton._utils import cdiv, check_device, dot_precision, next_pow2
+
+BLOCK_N = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+@triton.jit
+def _block_rows(row_pair_ptr, k, BLOCK_M: tl.constexpr):
+    """Block pid(0)'s rows, their pair ids (-1: padding), which rows hold a pair, and
+    their tokens."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    return rows.to(tl.int64), pair.to(tl.int64), pair >= 0, pair // k
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, inter_ptr, block_expert_ptr, row_pair_ptr,
+    stride_xt, stride_we, stride_wn, num_experts, k, H, inter_size,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """inter[rows, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n])."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert >= num_experts:
+        return  # a block past the used ones
+    rows, _, has_pair, token = _block_rows(row_pair_ptr, k, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + token[:, None] * stride_xt
+    gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    up_rows = gate_rows + inter_size * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, H, BLOCK_K):
+        k_ok = start + kk < H
+        a = tl.load(x_rows + start + kk[None, :], mask=has_pair[:, None] & k_ok[None, :],
+                    other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_rows + start + kk[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(up_rows + start + kk[:, None], mask=w_mask, other=0.0)
+        gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
+        up = tl.dot(a, w_up, up, input_precision=PRECISION)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :],
+             act.to(inter_ptr.dtype.element_ty), mask=has_pair[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr, w2_ptr, weight_ptr, y_ptr, block_expert_ptr, row_pair_ptr,
+    stride_we, stride_wh, num_experts, k, H, inter_size,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[pair, n] = routing weight[pair] * (inter[rows] . w2[e, n]), in float32."""
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows, pair, has_pair, _ = _block_rows(row_pair_ptr, k, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wh
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, inter_size, BLOCK_K):
+        k_ok = start + kk < inter_size
+        a = tl.load(inter_ptr + rows[:, None] * inter_size + start + kk[None, :],
+                    mask=has_pair[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + start + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    scale = tl.load(weight_ptr + pair, mask=has_pair, other=0.0)
+    tl.store(y_ptr + pair[:, None] * H + cols[None, :], acc * scale[:, None],
+             mask=has_pair[:, None] & col_ok[None, :])
+
+
+def block_layout(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of ids [T, k] sorted by expert in blocks of block_m rows, on the device.
+
+    Returns block_expert [num_blocks] int32 (the expert of each block; num_experts for a
+    block past the used ones) and row_pair [num_blocks * block_m] int32 (the pair index
+    t * k + j in each row; -1 for padding), num_blocks = ceil(T k / block_m) + E, the
+    most any routing needs. Ids >= num_experts are left out. Only device ops of fixed
+    shapes: no host synchronisation.
+    """
+    device = ids.device
+    pairs = ids.numel()
+    expert = ids.reshape(-1).clamp(max=num_experts)  # E: dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(expert, stable=True)
+    sorted_expert = expert[order]
+    first = counts.cumsum(0) - counts  # each expert's first index in sorted order
+    rank = torch.arange(pairs, device=device) - first[sorted_expert]
+    num_blocks = cdiv(pairs, block_m) + num_experts
+    size = num_blocks * block_m
+    # Dropped pairs land in a spare last row, cut off below.
+    dest = torch.where(sorted_expert < num_experts, ends[sorted_expert] - padded[sorted_expert]
+                       + rank, size)
+    row_pair = torch.full((size + 1,), -1, dtype=torch.int32, device=device)
+    row_pair.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(ends[:num_experts], block_start, right=True)
+    return block_expert.to(torch.int32), row_pair[:size]
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """As `reference.fused_experts`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing
+    weights [T, k] float32 and ids [T, k] -> [T, H] in x's dtype."""
+    check_device(x, w13, w2, weights, ids)
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    k = ids.shape[1]
+    y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
+    if T == 0 or E == 0:
+        return y.view(T, k, H).sum(1).to(x.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    weights = weights.reshape(-1).float().contiguous()
+    # Rows per block: about the pairs an expert gets, 16 (the MMA minimum) to 64.
+    block_m = min(64, max(16, next_pow2(cdiv(T * k, E))))
+    block_expert, row_pair = block_layout(ids, E, block_m)
+    num_blocks = block_expert.shape[0]
+    inter = torch.empty(num_blocks * block_m, inter_size, dtype=x.dtype, device=x.device)
+    precision = dot_precision(x.dtype)
+    common = dict(PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _gate_up_kernel[(num_blocks, cdiv(inter_size, BLOCK_N))](
+        x, w13, inter, block_expert, row_pair, x.stride(0), w13.stride(0), w13.stride(1),
+        E, k, H, inter_size, **common,
+    )
+    _down_kernel[(num_blocks, cdiv(H, BLOCK_N))](
+        inter, w2, weights, y, block_expert, row_pair, w2.stride(0), w2.stride(1),
+        E, k, H, inter_size, **common,
+    )
+    return y.view(T, k, H).sum(1).to(x.dtype)
