@@ -22,16 +22,58 @@ left out and contribute 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedmla.ops.triton._utils import cdiv, check_device, dot_precision, next_pow2
 
-BLOCK_N = 64
-BLOCK_K = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Launch parameters of both kernels: block_m rows (pairs) per block, block_n output
+    columns and block_k reduction columns per program step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Shared memory the pipelined tiles may take (227 KB per program on an H200). Triton
+# buffers num_stages - 1 sets of a loop's tiles (measured: 2 x 136 KB for float32 tiles
+# of 16 x 128 and two of 128 x 128 at 3 stages).
+SHARED_BUDGET = 220 * 1024
+
+
+def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> MoEConfig:
+    """Rows per block about the pairs an expert gets, 16 (the MMA minimum) to 128.
+
+    From a sweep on an H200 in bf16 (block_m, block_n 64/128, block_k 64/128, 4/8 warps,
+    3/4 stages; graph replay): few rows (weight-read bound) want long reduction steps,
+    V2-Lite experts at 128 tokens 394 -> 382 us, V3's 5503 -> 5109 us; many rows want
+    large tiles and 8 warps, V2-Lite at 4096 tokens 1677 -> 1325 us. Wider elements
+    (float32) shrink stages, then block_k, then block_n until the gate_up kernel's
+    buffered stages (an x tile and two weight tiles each) fit SHARED_BUDGET.
+    """
+    block_m = min(128, max(16, next_pow2(cdiv(num_pairs, num_experts))))
+    if block_m >= 64:
+        c = MoEConfig(block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    else:
+        c = MoEConfig(block_m, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    stage_bytes = (c.block_m + 2 * c.block_n) * c.block_k * element_size
+    while (c.num_stages - 1) * stage_bytes > SHARED_BUDGET:
+        if c.num_stages > 2:
+            c = replace(c, num_stages=c.num_stages - 1)
+        elif c.block_k > 32:
+            c = replace(c, block_k=c.block_k // 2)
+        else:
+            c = replace(c, block_n=c.block_n // 2)
+        stage_bytes = (c.block_m + 2 * c.block_n) * c.block_k * element_size
+    return c
 
 
 @triton.jit
@@ -142,10 +184,11 @@ def block_layout(
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-    ids: torch.Tensor,
+    ids: torch.Tensor, config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """As `reference.fused_experts`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing
-    weights [T, k] float32 and ids [T, k] -> [T, H] in x's dtype."""
+    weights [T, k] float32 and ids [T, k] -> [T, H] in x's dtype. config: launch
+    parameters (default `pick_config`)."""
     check_device(x, w13, w2, weights, ids)
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -158,19 +201,18 @@ def fused_experts(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     weights = weights.reshape(-1).float().contiguous()
-    # Rows per block: about the pairs an expert gets, 16 (the MMA minimum) to 64.
-    block_m = min(64, max(16, next_pow2(cdiv(T * k, E))))
-    block_expert, row_pair = block_layout(ids, E, block_m)
+    c = config or pick_config(T * k, E, x.element_size())
+    block_expert, row_pair = block_layout(ids, E, c.block_m)
     num_blocks = block_expert.shape[0]
-    inter = torch.empty(num_blocks * block_m, inter_size, dtype=x.dtype, device=x.device)
+    inter = torch.empty(num_blocks * c.block_m, inter_size, dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
-    common = dict(PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _gate_up_kernel[(num_blocks, cdiv(inter_size, BLOCK_N))](
+    common = dict(PRECISION=precision, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                  BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    _gate_up_kernel[(num_blocks, cdiv(inter_size, c.block_n))](
         x, w13, inter, block_expert, row_pair, x.stride(0), w13.stride(0), w13.stride(1),
         E, k, H, inter_size, **common,
     )
-    _down_kernel[(num_blocks, cdiv(H, BLOCK_N))](
+    _down_kernel[(num_blocks, cdiv(H, c.block_n))](
         inter, w2, weights, y, block_expert, row_pair, w2.stride(0), w2.stride(1),
         E, k, H, inter_size, **common,
     )
