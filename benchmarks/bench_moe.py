@@ -15,18 +15,25 @@ Bytes: the weights of the experts the routing touches, plus x and the output; FL
 rate, measured in the same run (`kernel_bench.ceilings`).
 
     python3 benchmarks/bench_moe.py --out moe.json
+    python3 benchmarks/bench_moe.py --sweep --out moe_sweep.json  # launch configs
+
+`--sweep` times `MoEConfig` variants (block_m, block_n, block_k, warps, stages) at a few
+of these shapes instead, the search behind `ops.triton.moe.pick_config`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
+import triton
 
 from pagedmla.kernel_bench import bench, ceilings, graphed
 from pagedmla.ops import reference
 from pagedmla.ops.triton import fused_experts
+from pagedmla.ops.triton.moe import MoEConfig, pick_config
 
 SHAPES = {  # name: (E, k, H, I, token counts)
     "V2-Lite": (64, 6, 2048, 1408, (1, 16, 128, 512, 4096)),
@@ -47,20 +54,71 @@ def dense_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def _experts(E: int, H: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 w13 [E, 2I, H] and w2 [E, H, I], drawn on the GPU."""
+    w13 = (torch.randn(E, 2 * inter, H, device="cuda") / H**0.5).bfloat16()
+    return w13, (torch.randn(E, H, inter, device="cuda") / inter**0.5).bfloat16()
+
+
+def _tokens(T: int, E: int, k: int, H: int, gen: torch.Generator):
+    """x [T, H] bf16, routing weights [T, k] and ids [T, k] (each token's experts distinct)."""
+    x = torch.randn(T, H, generator=gen).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).cuda()
+    return x, torch.rand(T, k, generator=gen).cuda(), ids
+
+
+def sweep(out: str) -> None:
+    """Time launch configs at V2-Lite 16 / 128 / 4096 tokens and V3 128 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, token_counts in (("V2-Lite", (16, 128, 4096)), ("V3", (128,))):
+        E, k, H, inter, _ = SHAPES[name]
+        w13, w2 = _experts(E, H, inter)
+        for T in token_counts:
+            x, weights, ids = _tokens(T, E, k, H, gen)
+            _sweep_one(name, (x, w13, w2, weights, ids), rows)
+    with open(out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "sweep": rows}, f, indent=1)
+
+
+def _sweep_one(name: str, args_: tuple, rows: list[dict]) -> None:
+    """Time the sweep's grid of configs on one input (x, w13, w2, weights, ids); print the
+    default's time and the best."""
+    T, k = args_[4].shape
+    E = args_[1].shape[0]
+    block_ms = (64, 128) if T >= 1024 else (16, 32)
+    timed = []
+    for bm, bn, bk, warps, stages in itertools.product(block_ms, (64, 128), (64, 128),
+                                                       (4, 8), (3, 4)):
+        config = MoEConfig(bm, bn, bk, warps, stages)
+        try:
+            us = bench(graphed(lambda c=config, a=args_: fused_experts(*a, config=c)),
+                       rep_ms=30)
+        except triton.runtime.errors.OutOfResources:
+            continue  # does not fit in shared memory
+        timed.append((us, config))
+        rows.append({"shape": name, "T": T, "config": vars(config), "us": us})
+    us = bench(graphed(lambda a=args_: fused_experts(*a)), rep_ms=30)
+    best_us, best = min(timed, key=lambda item: item[0])
+    print(f"{name} T={T}: default {pick_config(T * k, E)} {us:.1f} µs; best {best} "
+          f"{best_us:.1f} µs", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="moe.json")
+    parser.add_argument("--sweep", action="store_true", help="time launch configs instead")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.out)
+        return
     ceil = ceilings()
     rows = []
     gen = torch.Generator().manual_seed(0)
     for name, (E, k, H, inter, token_counts) in SHAPES.items():
-        w13 = (torch.randn(E, 2 * inter, H, device="cuda") / H**0.5).bfloat16()
-        w2 = (torch.randn(E, H, inter, device="cuda") / inter**0.5).bfloat16()
+        w13, w2 = _experts(E, H, inter)
         for T in token_counts:
-            x = torch.randn(T, H, generator=gen).bfloat16().cuda()
-            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).cuda()
-            weights = torch.rand(T, k, generator=gen).cuda()
+            x, weights, ids = _tokens(T, E, k, H, gen)
             args_ = (x, w13, w2, weights, ids)
             want = reference.fused_experts(*args_).float()
             got = fused_experts(*args_).float()
