@@ -311,8 +311,8 @@ class LLM:
         tick = time.perf_counter()
         device_token_ids = None
         if batch.ahead:
-            if before is None:
-                raise ValueError("an ahead batch needs the launched step before it")
+            if before is None or before.drawn is None:
+                raise ValueError("an ahead batch needs the launched step that samples its tokens")
             row_of = {seq.seq_id: row for row, seq in enumerate(before.sampled)}
             rows = [row_of[seq.seq_id] for seq in batch.seqs]
             device_token_ids = before.drawn.token_ids
