@@ -27,7 +27,7 @@ from pagedmla.routing import PathCostModel
 
 
 @dataclass
-class _Launched:
+class LaunchedStep:
     """A step enqueued on the device: its batch, the entries it samples (in row order)
     and their tokens on the way to the host (None when it samples nothing)."""
 
@@ -279,7 +279,7 @@ class LLM:
         self._last_done = start
         preemptions = self.scheduler.num_preemptions
         with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            launched: _Launched | None = None
+            launched: LaunchedStep | None = None
             while launched is not None or self.scheduler.has_unfinished():
                 if launched is None:
                     launched = self.launch(self.scheduler.schedule(), generators)
@@ -302,8 +302,8 @@ class LLM:
         self,
         batch: ScheduledBatch,
         generators: dict[int, torch.Generator],
-        before: _Launched | None = None,
-    ) -> _Launched:
+        before: LaunchedStep | None = None,
+    ) -> LaunchedStep:
         """Enqueue a step's forward and sampling without waiting for the device.
 
         An ``ahead`` batch reads its token ids from ``before``'s samples on the device.
@@ -334,9 +334,9 @@ class LLM:
                 [seq.params for seq in sampled],
                 [generators.get(seq.seq_id, self.generator) for seq in sampled],
             )
-        return _Launched(batch, sampled, drawn, tick)
+        return LaunchedStep(batch, sampled, drawn, tick)
 
-    def complete(self, launched: _Launched, start: float) -> list[Sequence]:
+    def complete(self, launched: LaunchedStep, start: float) -> list[Sequence]:
         """Wait for a launched step's samples and account for it; returns the sequences
         it finished."""
         batch = launched.batch
