@@ -87,7 +87,7 @@ def test_add_rms_norm(backend, dtype, T, D) -> None:
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
-@pytest.mark.parametrize("T,N,P,R", [(3, 1, 8, 4), (2, 16, 16, 64), (4, 5, 0, 8),
+@pytest.mark.parametrize("T,N,P,R", [(3, 1, 8, 4), (2, 16, 16, 64), (4, 5, 0, 8), (2, 3, 8, 12),
                                      (1, 128, 128, 64)])
 def test_rotary(backend, dtype, interleaved, T, N, P, R) -> None:
     gen = torch.Generator().manual_seed(T + N + P + R)
