@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedmla.ops import REFERENCE
 
 pytest.importorskip("triton")
 
 from pagedmla.ops.triton import TRITON_BACKEND
+from pagedmla.ops.triton.moe import block_layout
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -177,3 +180,37 @@ def test_fused_experts_gpu_decode_shape_and_graph_capture() -> None:
         expect = REFERENCE.fused_experts(x, w13, w2, weights, ids)
         err = (out.float() - expect.float()).norm() / expect.float().norm()
         assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_block_layout_places_every_pair_once_in_blocks_of_one_expert(data) -> None:
+    """The experts' sorted layout, checked directly: every pair with an id < E sits in
+    exactly one row, of a block whose expert is its own, in order of pair index within
+    an expert; nothing else holds a pair; blocks past the used ones say E."""
+    E = data.draw(st.integers(1, 9), label="experts")
+    T = data.draw(st.integers(1, 12), label="tokens")
+    k = data.draw(st.integers(1, min(E, 4)), label="k")
+    block_m = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_m")
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, E + 2), min_size=T * k,
+                                          max_size=T * k))).view(T, k)
+    block_expert, row_pair = block_layout(ids, E, block_m)
+    assert block_expert.shape == (-(-T * k // block_m) + E,)
+    assert row_pair.shape == (block_expert.shape[0] * block_m,)
+    flat = ids.view(-1).tolist()
+    rows = row_pair.tolist()
+    experts = block_expert.tolist()
+    placed = [p for p in rows if p >= 0]
+    assert sorted(placed) == [p for p, e in enumerate(flat) if e < E]
+    for block, expert in enumerate(experts):
+        pairs = [p for p in rows[block * block_m : (block + 1) * block_m] if p >= 0]
+        if expert == E:
+            assert not pairs
+        else:
+            assert pairs and all(flat[p] == expert for p in pairs)
+    used = [e for e in experts if e < E]
+    assert experts == sorted(used) + [E] * (len(experts) - len(used))  # by expert, used first
+    for expert in set(used):
+        in_order = [p for b, e in enumerate(experts) if e == expert
+                    for p in rows[b * block_m : (b + 1) * block_m] if p >= 0]
+        assert in_order == sorted(in_order)
