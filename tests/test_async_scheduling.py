@@ -17,6 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pagedmla import LLM, SamplingParams
+from tests.engine_helpers import ahead_steps
 
 OPTIONS = dict(device="cpu", block_size=4, num_kv_blocks=10, max_num_seqs=4,
                max_num_batched_tokens=16, enable_prefix_caching=False)
@@ -25,19 +26,6 @@ OPTIONS = dict(device="cpu", block_size=4, num_kv_blocks=10, max_num_seqs=4,
 @pytest.fixture(scope="module")
 def engines() -> dict[bool, LLM]:
     return {ahead: LLM("tiny", async_scheduling=ahead, **OPTIONS) for ahead in (False, True)}
-
-
-def _count_ahead(llm: LLM) -> list[int]:
-    calls: list[int] = []
-    plan = llm.scheduler.schedule_ahead
-
-    def counted(launched):
-        batch = plan(launched)
-        calls.append(batch is not None)
-        return batch
-
-    llm.scheduler.schedule_ahead = counted
-    return calls
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,11 +43,10 @@ def test_async_engine_matches_sync_on_random_workloads(engines, data) -> None:
         if tokens and data.draw(st.booleans(), label="stop token"):
             stop = tokens[data.draw(st.integers(0, len(tokens) - 1))]
             params[i] = replace(params[i], stop_token_ids=[stop])
-    calls = _count_ahead(engines[True])
     sync = engines[False].generate(prompts, params, use_tqdm=False)
-    ahead = engines[True].generate(prompts, params, use_tqdm=False)
-    del engines[True].scheduler.schedule_ahead  # back to the method
-    event(f"ahead steps: {sum(calls) > 0}")
+    with ahead_steps(engines[True]) as sizes:
+        ahead = engines[True].generate(prompts, params, use_tqdm=False)
+    event(f"ahead steps: {bool(sizes)}")
     event(f"preempted: {engines[True].stats.preemptions > 0}")
     for want, got in zip(sync, ahead, strict=True):
         a, b = want.outputs[0], got.outputs[0]

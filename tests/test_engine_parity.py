@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from pagedmla import LLM, SamplingParams
+from tests.engine_helpers import ahead_steps
 from tests.tiny_hf import hf_logprobs, make_hf_model, save_hf_checkpoint
 
 LOGPROB_TOL = 2e-3
@@ -125,21 +126,6 @@ def test_sampling_seed_reproducible(checkpoint):
     assert alone == together
 
 
-def _count_ahead_steps(llm: LLM) -> list[int]:
-    """Wraps llm's Scheduler.schedule_ahead; the returned list collects ahead step sizes."""
-    sizes: list[int] = []
-    plan = llm.scheduler.schedule_ahead
-
-    def counted(launched):
-        batch = plan(launched)
-        if batch is not None:
-            sizes.append(len(batch.seqs))
-        return batch
-
-    llm.scheduler.schedule_ahead = counted
-    return sizes
-
-
 def test_async_scheduling_matches_sync(checkpoint):
     """Steps planned ahead (their token ids read on the device) give the synchronous
     engine's completions, also when rows leave mid-flight: staggered max_tokens, and stop
@@ -155,8 +141,8 @@ def test_async_scheduling_matches_sync(checkpoint):
         params[row] = replace(params[row], stop_token_ids=[probe[row].outputs[0].token_ids[index]])
     sync = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = _llm(path)
-    ahead = _count_ahead_steps(llm)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with ahead_steps(llm) as ahead:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     assert len(ahead) >= 4 and len(set(ahead)) > 1  # ran ahead, with rows leaving
     for mine, theirs in zip(outputs, sync, strict=True):
         ours, ref = mine.outputs[0], theirs.outputs[0]
@@ -176,7 +162,7 @@ def test_async_scheduling_seeded_sampling_matches_sync(checkpoint):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=11)
     sync = _llm(path, async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = _llm(path)
-    ahead = _count_ahead_steps(llm)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with ahead_steps(llm) as ahead:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     assert ahead
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in sync]

@@ -183,22 +183,37 @@ class Scheduler:
         """
         running = self.running
         num_seqs = len(running)
-        room = min(self.max_num_seqs, self.max_num_batched_tokens)
-        if not running or num_seqs > room or (self.waiting and num_seqs < room):
+        if not running or num_seqs > self._room or self._could_admit(num_seqs):
             return None
-        block_size = self.block_manager.block_size
-        starting_block: list[Sequence] = []
         for seq in running:
             computed = seq.num_computed_tokens
             if computed == 0 or len(seq.token_ids) - computed != 1:
                 return None
-            if computed == len(seq.block_table) * block_size:
-                starting_block.append(seq)
-        if len(starting_block) > self.block_manager.num_free_blocks:
+        if not self._reserve_next_position(running, ahead=0):
             return None
-        for seq in starting_block:
-            self.block_manager.append_slots(seq, 1)
         return ScheduledBatch(list(running), [1] * num_seqs, [True] * num_seqs)
+
+    @property
+    def _room(self) -> int:
+        """Most one-token entries a step holds."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def _could_admit(self, num_seqs: int) -> bool:
+        """Whether a step of num_seqs one-token entries leaves room for a waiting one."""
+        return bool(self.waiting) and num_seqs < self._room
+
+    def _reserve_next_position(self, seqs: list[Sequence], ahead: int) -> bool:
+        """Blocks for one more token of each of seqs, at position num_computed_tokens +
+        ahead: a new block where that position starts one. False, and nothing taken,
+        when the free blocks do not cover them all (the caller would have to preempt)."""
+        block_size = self.block_manager.block_size
+        starting = [seq for seq in seqs
+                    if seq.num_computed_tokens + ahead == len(seq.block_table) * block_size]
+        if len(starting) > self.block_manager.num_free_blocks:
+            return False
+        for seq in starting:
+            self.block_manager.append_slots(seq, 1 + ahead)
+        return True
 
     def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after ``launched``, before its sampled tokens are known; or None.
@@ -222,25 +237,17 @@ class Scheduler:
             or not all(launched.needs_sample)
         ):
             return None
-        block_size = self.block_manager.block_size
         seqs: list[Sequence] = []
-        starting_block: list[Sequence] = []
         for seq, same in zip(live, running, strict=True):
             if seq is not same or seq.num_computed_tokens == 0:
                 return None
-            if seq.num_output_tokens + 1 >= seq.params.max_tokens:
-                continue  # launched's token is its last
-            seqs.append(seq)
-            # This step writes position c + 1: a new block when c + 1 ends the table.
-            if seq.num_computed_tokens + 1 == len(seq.block_table) * block_size:
-                starting_block.append(seq)
-        room = min(self.max_num_seqs, self.max_num_batched_tokens)
-        if not seqs or (self.waiting and len(seqs) < room):
+            if seq.num_output_tokens + 1 < seq.params.max_tokens:  # else launched's is last
+                seqs.append(seq)
+        # This step writes position c + 1, one past launched's c.
+        if not seqs or self._could_admit(len(seqs)) or not self._reserve_next_position(
+            seqs, ahead=1
+        ):
             return None
-        if len(starting_block) > self.block_manager.num_free_blocks:
-            return None
-        for seq in starting_block:
-            self.block_manager.append_slots(seq, 2)  # positions c (launched) and c + 1
         return ScheduledBatch(seqs, [1] * len(seqs), [True] * len(seqs), ahead=True)
 
     def postprocess(
