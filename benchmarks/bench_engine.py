@@ -9,7 +9,9 @@ is busy (scheduling, inputs, metadata or graph staging, launches, sampling launc
 the token map and bookkeeping), i.e. all but the wait for the sampled tokens. Device
 span: CUDA events around a step's enqueues, so the GPU time from reaching the step's
 first work to its last; GPU idle = step - span, the host work that nothing overlaps.
-Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling.
+Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. With
+`--tensor-parallel 2` the engine spawns a second rank (NCCL) and steps are synchronous
+(async scheduling is off under TP, so the async mode is left out).
 
     python3 benchmarks/bench_engine.py --out engine.json
 """
@@ -112,8 +114,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
     parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
+    if args.tensor_parallel > 1:
+        args.modes = ",".join(m for m in args.modes.split(",") if m != "cuda_graphs_async")
     config = bench_config(args.layers, args.hidden, args.moe)
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
@@ -124,14 +129,17 @@ def main() -> None:
             eager, ahead = modes[mode]
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
                       max_num_seqs=args.batch, max_num_batched_tokens=16384,
-                      enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead)
+                      enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead,
+                      tensor_parallel_size=args.tensor_parallel)
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
+            llm.close()
             del llm
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
-          f"{args.layers} layers{' (MoE)' if args.moe else ''}, {results['gpu']}")
+          f"{args.layers} layers{' (MoE)' if args.moe else ''}, TP {args.tensor_parallel}, "
+          f"{results['gpu']}")
     print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
           "| tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results["runs"].items():

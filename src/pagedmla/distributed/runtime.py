@@ -71,7 +71,9 @@ class ParallelRuntime:
 
     `start` joins (torchrun) or creates (spawned workers) the process group; the
     workers, when this process spawned them, are stopped by `close`, when the runtime
-    is garbage collected, or at interpreter exit.
+    is garbage collected, or at interpreter exit. Callbacks given to `before_close` run
+    first: CUDA graphs that captured NCCL collectives must be freed before the group is
+    destroyed, or NCCL's teardown waits for them forever.
     """
 
     def __init__(
@@ -81,7 +83,10 @@ class ParallelRuntime:
         self.workers = workers
         self.interleave = interleave
         self.channel = StepChannel(state)
-        self._finalizer = weakref.finalize(self, _shutdown, workers, self.channel, owns_group)
+        self._before_close: list[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(
+            self, _shutdown, workers, self.channel, owns_group, self._before_close
+        )
 
     @classmethod
     def start(cls, options: dict[str, Any], device: torch.device) -> ParallelRuntime:
@@ -187,6 +192,10 @@ class ParallelRuntime:
                 self.channel.send_object(outputs)
         return outputs
 
+    def before_close(self, callback: Callable[[], None]) -> None:
+        """Run callback() when the runtime closes, before anything else."""
+        self._before_close.append(callback)
+
     @property
     def is_open(self) -> bool:
         return self._finalizer.alive
@@ -230,9 +239,18 @@ class _WorkerWatch:
             raise dead from cause
 
 
-def _shutdown(workers: Workers | None, channel: StepChannel, owns_group: bool) -> None:
-    """Stop serving: tell live workers to leave, then reap them; leave the group if this
-    runtime created it."""
+def _shutdown(
+    workers: Workers | None,
+    channel: StepChannel,
+    owns_group: bool,
+    before: list[Callable[[], None]],
+) -> None:
+    """Stop serving: run the `before` callbacks, tell live workers to leave and leave the
+    group with them (its NCCL teardown waits for every rank's), then reap them. After a
+    failure the workers are killed first, and the group is left if this runtime created
+    it."""
+    for callback in before:
+        callback()
     if workers is not None:
         graceful = workers.serving and all(proc.is_alive() for proc in workers.procs)
         if graceful:
@@ -240,6 +258,8 @@ def _shutdown(workers: Workers | None, channel: StepChannel, owns_group: bool) -
                 channel.send(Kind.SHUTDOWN)
             except RuntimeError:
                 graceful = False
+        if graceful and owns_group and dist.is_initialized():
+            dist.destroy_process_group()
         workers.stop(graceful)
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()

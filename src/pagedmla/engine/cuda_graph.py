@@ -168,6 +168,13 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    def release(self) -> None:
+        """Free the captured graphs (and with them the collectives they hold)."""
+        torch.cuda.synchronize(self.inputs.token_ids.device)
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def _metadata(self, rows: int) -> MLAMetadata:
         cache = self.caches[0]
         inputs = self.inputs

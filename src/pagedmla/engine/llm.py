@@ -157,6 +157,9 @@ class LLM:
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
                 max_model_len=self.max_model_len,
             )
+            if self.parallel is not None:
+                # Not a method of self: the runtime's finalizer must not keep the LLM alive.
+                self.parallel.before_close(self.runner.graphs.release)
         self.async_scheduling = async_scheduling and self.parallel is None
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)
@@ -166,15 +169,17 @@ class LLM:
             self.parallel.ready()
 
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
-        """Decode steps replay CUDA graphs on one GPU when the kernels allow capture.
+        """Decode steps replay CUDA graphs when the kernels allow capture.
 
-        Under tensor or decode context parallelism steps stay eager: the DCP metadata is
-        per rank and its collectives are not part of the captured decode step.
+        Under tensor parallelism every rank captures the same batch sizes in the same
+        order, with the all-reduces and the logits' all-gather inside the graphs, and
+        replays the size the driver's step picks. Under decode context parallelism steps
+        stay eager: its metadata is per rank and built outside the captured step.
         """
         return (
             not enforce_eager
             and self.device.type == "cuda"
-            and self.parallel is None
+            and (self.parallel is None or self.parallel.state.dcp_size == 1)
             and get_backend(backend, self.device).graph_safe
         )
 
