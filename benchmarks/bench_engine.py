@@ -11,7 +11,8 @@ span: CUDA events around a step's enqueues, so the GPU time from reaching the st
 first work to its last; GPU idle = step - span, the host work that nothing overlaps.
 Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. With
 `--tensor-parallel 2` the engine spawns a second rank (NCCL) and steps are synchronous
-(async scheduling is off under TP, so the async mode is left out).
+(async scheduling is off under TP, so the async mode is left out); `--dcp 2` adds
+decode context parallelism over the same two ranks.
 
     python3 benchmarks/bench_engine.py --out engine.json
 """
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
     parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async")
     parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
     if args.tensor_parallel > 1:
@@ -130,7 +132,8 @@ def main() -> None:
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
                       max_num_seqs=args.batch, max_num_batched_tokens=16384,
                       enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead,
-                      tensor_parallel_size=args.tensor_parallel)
+                      tensor_parallel_size=args.tensor_parallel,
+                      decode_context_parallel_size=args.dcp)
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
             llm.close()
             del llm
@@ -138,8 +141,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
-          f"{args.layers} layers{' (MoE)' if args.moe else ''}, TP {args.tensor_parallel}, "
-          f"{results['gpu']}")
+          f"{args.layers} layers{' (MoE)' if args.moe else ''}, "
+          f"TP {args.tensor_parallel}, DCP {args.dcp}, {results['gpu']}")
     print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
           "| tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results["runs"].items():

@@ -91,11 +91,12 @@ def test_engine_graphs_match_eager() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_tensor_parallel_graphs_match_eager() -> None:
-    """Tensor parallel 2 (NCCL, spawned worker): every rank captures the decode graphs
-    with the all-reduces inside and replays the size the driver's step picks. Greedy
-    tokens identical to eager TP steps and logprobs within 1e-3; close() reaps the
-    worker."""
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_parallel_graphs_match_eager(dcp: int) -> None:
+    """Tensor parallel 2 (NCCL, a spawned worker), alone and with decode context
+    parallel 2: every rank captures the decode graphs with the collectives inside and
+    stages its own slots and cache lengths. Greedy tokens identical to eager steps of
+    the same parallel layout and logprobs within 1e-3; close() reaps the worker."""
     prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + 11 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0.0, max_tokens=9 + 2 * i, logprobs=1,
                              ignore_eos=True) for i in range(6)]
@@ -103,7 +104,7 @@ def test_tensor_parallel_graphs_match_eager() -> None:
     for eager in (True, False):
         with LLM("tiny", dtype=torch.float32, device="cuda", block_size=16,
                  max_num_seqs=8, enforce_eager=eager, num_kv_blocks=256,
-                 tensor_parallel_size=2) as llm:
+                 tensor_parallel_size=2, decode_context_parallel_size=dcp) as llm:
             assert (llm.runner.graphs is None) == eager
             runs.append(llm.generate(prompts, params, use_tqdm=False))
             workers = list(llm.parallel.workers.procs)

@@ -11,6 +11,7 @@ test_attention_oracle: 2e-4 relative L2 (observed ~1e-6).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,3 +106,23 @@ def test_dcp_layer_matches_oracle(world: int) -> None:
             assert wrong == 0, f"{case.name}, rank {rank}: {wrong} cache slots differ"
             if case.workspace_rows is not None:
                 assert chunks > 2, f"{case.name}: only {chunks} context chunks"
+
+
+@pytest.mark.parametrize(("D", "rank", "interleave"), [(2, 0, 1), (2, 1, 1), (4, 3, 2)])
+def test_decode_spec_is_what_build_gives_the_kernels(D: int, rank: int, interleave: int) -> None:
+    """CUDA graph staging bypasses build() and reads decode_spec: this rank's slots as
+    build() writes them, and per request the positions this rank holds (position p
+    belongs to rank (p // interleave) % D), counted here directly."""
+    layout = DCPLayout(D, rank, interleave, 4)
+    state = SimpleNamespace(dcp_size=D, dcp_rank=rank)
+    builder = DCPMetadataBuilder(DIMS, layout, state)
+    seq_lens = [1, 2, 3, 5, 8, 41, 17]
+    batch = make_paged_batch(DIMS, [1] * len(seq_lens), seq_lens,
+                             block_size=layout.virtual_block_size, seed=rank)
+    spec = builder.decode_spec(batch.spec)
+    meta = builder.build(batch.spec)
+    assert spec.seq_lens == [sum((p // interleave) % D == rank for p in range(s))
+                             for s in seq_lens]
+    assert spec.seq_lens == meta.decode.seq_lens.tolist()
+    assert spec.slot_mapping.tolist() == meta.slot_mapping.tolist()
+    assert torch.equal(spec.block_table, batch.spec.block_table)

@@ -264,6 +264,8 @@ class MLAMetadataBuilder:
         self.decode_threshold = decode_threshold
         self.router = router
         self.workspace = Workspace(workspace_rows, self.device)
+        # The decode path's collectives under decode context parallelism (DCPDecode).
+        self.decode_hook: DCPDecode | None = None
 
     def uses_mqa(self, query_len: int, context_len: int) -> bool:
         """Whether a request with these lengths takes the absorbed MQA (decode) path."""
@@ -359,6 +361,11 @@ class MLAMetadataBuilder:
     def _decode_seq_lens(self, seq_lens: list[int]) -> list[int]:
         """Keys each decode request attends to in this rank's cache: all of them here."""
         return seq_lens
+
+    def decode_spec(self, spec: BatchSpec) -> BatchSpec:
+        """A decode-only step's spec as this rank's kernels read it (slots, lengths), for
+        inputs that bypass `build` (CUDA graph staging): on one rank, spec itself."""
+        return spec
 
     def _plan_context(self, context_lens: list[int]) -> list[ContextChunkPlan]:
         """Chunks of the prefills' context, each within the workspace."""

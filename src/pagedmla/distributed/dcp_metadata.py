@@ -108,6 +108,12 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
     def _decode_seq_lens(self, seq_lens: list[int]) -> list[int]:
         return [self.layout.local_count(s) for s in seq_lens]
 
+    def decode_spec(self, spec: BatchSpec) -> BatchSpec:
+        """This rank's slots (-1 for another rank's tokens) and cache rows per request."""
+        local = self._rank_spec(spec)
+        return BatchSpec(local.query_lens, self._decode_seq_lens(local.seq_lens),
+                         local.block_table, local.slot_mapping)
+
     def _plan_context(self, context_lens: list[int]) -> list[ContextChunkPlan]:
         return plan_context_chunks(
             context_lens,

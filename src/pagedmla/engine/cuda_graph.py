@@ -11,11 +11,15 @@ with short contexts stays correct and fast when replayed with long ones.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import BatchSpec, DecodeMetadata, MLAMetadata
+
+if TYPE_CHECKING:
+    from pagedmla.distributed.dcp_attention import DCPDecode
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -143,7 +147,10 @@ class DecodeGraphs:
     """Captured decode steps of `model` over `caches` for each size in `sizes`.
 
     `run(token_ids [B], positions [B], spec, sample_rows)` replays the smallest graph
-    with at least B rows and returns the logits [len(sample_rows), vocab] float32.
+    with at least B rows and returns the logits [len(sample_rows), vocab] float32; spec
+    as this rank's kernels read it (`MLAMetadataBuilder.decode_spec`). Under decode
+    context parallelism `dcp` (the builder's decode hook) puts the query all-gather and
+    the partials' all-to-all into the graphs.
     """
 
     def __init__(
@@ -153,11 +160,13 @@ class DecodeGraphs:
         sizes: list[int],
         max_blocks_per_seq: int,
         max_model_len: int,
+        dcp: DCPDecode | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
+        self.dcp = dcp
         cache = caches[0]
         self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, cache.num_slots,
                                   cache.num_blocks, cache.device)
@@ -197,6 +206,7 @@ class DecodeGraphs:
                 query_start_loc=inputs.query_start_loc[: rows + 1],
                 max_query_len=1,
                 max_seq_len=self.max_model_len,
+                dcp=self.dcp,
             ),
             prefill=None,
         )

@@ -155,7 +155,7 @@ class LLM:
             self.runner.graphs = DecodeGraphs(
                 self.model, self.caches, capture_sizes(max_num_seqs),
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
-                max_model_len=self.max_model_len,
+                max_model_len=self.max_model_len, dcp=self.builder.decode_hook,
             )
             if self.parallel is not None:
                 # Not a method of self: the runtime's finalizer must not keep the LLM alive.
@@ -171,15 +171,14 @@ class LLM:
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
         """Decode steps replay CUDA graphs when the kernels allow capture.
 
-        Under tensor parallelism every rank captures the same batch sizes in the same
-        order, with the all-reduces and the logits' all-gather inside the graphs, and
-        replays the size the driver's step picks. Under decode context parallelism steps
-        stay eager: its metadata is per rank and built outside the captured step.
+        Under tensor / decode context parallelism every rank captures the same batch
+        sizes in the same order, with the collectives inside the graphs (all-reduces,
+        the logits' all-gather, DCP's query all-gather and partials' all-to-all), stages
+        its own slots and cache lengths, and replays the size the driver's step picks.
         """
         return (
             not enforce_eager
             and self.device.type == "cuda"
-            and (self.parallel is None or self.parallel.state.dcp_size == 1)
             and get_backend(backend, self.device).graph_safe
         )
 

@@ -122,7 +122,8 @@ class ModelRunner:
             and len(spec.query_lens) <= graphs.max_batch
             and all(q == 1 for q in spec.query_lens)
         ):
-            return graphs.run(token_ids, positions, spec, sample_rows, device_token_ids)
+            return graphs.run(token_ids, positions, self.builder.decode_spec(spec), sample_rows,
+                              device_token_ids)
         meta = self.builder.build(spec)
         if device_token_ids is None:
             device_token_ids = token_ids.to(self.device, non_blocking=True)
