@@ -7,6 +7,7 @@ available for a device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ def register_backend(
     _LOADERS[name] = loader
     if prefer_on_cuda and name not in _CUDA_PREFERENCE:
         _CUDA_PREFERENCE.append(name)
+    _resolve.cache_clear()
 
 
 def available_backends() -> list[str]:
@@ -68,16 +70,22 @@ def available_backends() -> list[str]:
 
 def get_backend(name: str, device: torch.device | str) -> Backend:
     """The backend called `name`, or for "auto" the best one for `device`."""
+    if name != "auto" and name not in _LOADERS:
+        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _resolve(name, device_type)
+
+
+@functools.cache  # every layer asks on every step: resolve each (name, device type) once
+def _resolve(name: str, device_type: str) -> Backend:
     if name == "auto":
-        if torch.device(device).type == "cuda":
+        if device_type == "cuda":
             for candidate in _CUDA_PREFERENCE:
                 try:
                     return _LOADERS[candidate]()
                 except ImportError:
                     continue
         return REFERENCE
-    if name not in _LOADERS:
-        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
     return _LOADERS[name]()
 
 

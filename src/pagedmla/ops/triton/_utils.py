@@ -77,6 +77,7 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and _properties(device).major == 9
 
 
+@functools.cache  # asked on every decode and prefill call
 def gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...] | None:
     """The Gluon kernel modules `names` of this package where they can run on `device`:
     None off Hopper, under the interpreter (it does not run Gluon), or where the

@@ -30,6 +30,8 @@ for the compute-bound regime).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -463,11 +465,17 @@ def page_descriptors(data: torch.Tensor, L: int, block_n: int = BLOCK_N,
     num_blocks, page, width = data.shape
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
-    dtype = _GL_DTYPES[data.dtype]
-    latent_layout = gl.NVMMASharedLayout.get_default_for([block_n, L // 2], dtype)
-    rope_layout = gl.NVMMASharedLayout.get_default_for([block_n, width - L], dtype)
+    latent_layout, rope_layout = _tile_layouts(data.dtype, block_n, L, width - L)
     return (TensorDescriptor(data, rows, strides, [block_n, L // 2], latent_layout),
             TensorDescriptor(data, rows, strides, [block_n, width - L], rope_layout))
+
+
+@functools.cache  # building a layout costs more host time than the descriptor itself
+def _tile_layouts(dtype: torch.dtype, block_n: int, L: int, R: int,
+                  ) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    gl_dtype = _GL_DTYPES[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([block_n, L // 2], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([block_n, R], gl_dtype))
 
 
 def decode_partial(
