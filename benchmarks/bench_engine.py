@@ -15,6 +15,9 @@ Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. Wi
 decode context parallelism over the same two ranks.
 
     python3 benchmarks/bench_engine.py --out engine.json
+
+`--arrivals N` also times steps that add one N-token prompt each to the decodes
+(continuous arrivals): mixed steps, which run eagerly in every mode.
 """
 
 from __future__ import annotations
@@ -106,6 +109,43 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
             "idle_share": idle / step, "decode_steps": len(total), "tokens_per_s": batch / step}
 
 
+def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
+                     arrival_len: int) -> dict[str, float]:
+    """Steps of `batch` decodes plus one new `arrival_len`-token prompt each (continuous
+    arrivals): such steps are never graphs. Wall time per step, synchronous, median
+    after the first (which may compile kernels for the new shapes)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = llm.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    for i in range(batch):
+        llm.scheduler.add(Sequence(20_000 + i, prompt(prompt_len), params))
+    start = time.perf_counter()
+    while llm.scheduler.waiting or any(
+        seq.num_computed_tokens < seq.num_prompt_tokens for seq in llm.scheduler.running
+    ):
+        llm.step({}, start)
+    times = []
+    for i in range(steps + 1):
+        llm.scheduler.add(Sequence(30_000 + i, prompt(arrival_len), params))
+        prefilled = llm.stats.prefill_tokens
+        torch.cuda.synchronize()
+        tick = time.perf_counter()
+        llm.step({}, start)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - tick)
+        if llm.stats.prefill_tokens - prefilled != arrival_len:
+            raise RuntimeError("the new prompt was not prefilled in its step (max_num_seqs?)")
+    for seq in list(llm.scheduler.running):
+        llm.block_manager.free(seq)
+    llm.scheduler.running.clear()
+    llm.scheduler.waiting.clear()
+    return {"mixed_step_ms": statistics.median(times[1:]) * 1e3, "arrival_len": arrival_len}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=8)
@@ -115,6 +155,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
     parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async")
+    parser.add_argument("--arrivals", type=int, default=0,
+                        help="also time steps that add a prompt of this many tokens each")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     parser.add_argument("--out", default="engine.json")
@@ -130,11 +172,15 @@ def main() -> None:
         for mode in args.modes.split(","):
             eager, ahead = modes[mode]
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
-                      max_num_seqs=args.batch, max_num_batched_tokens=16384,
+                      max_num_seqs=args.batch + (args.steps + 1 if args.arrivals else 0),
+                      max_num_batched_tokens=16384,
                       enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
                       decode_context_parallel_size=args.dcp)
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
+            if args.arrivals:
+                results["runs"][mode].update(time_mixed_steps(
+                    llm, args.batch, args.prompt_len, args.steps, args.arrivals))
             llm.close()
             del llm
             torch.cuda.empty_cache()
@@ -149,6 +195,10 @@ def main() -> None:
         print(f"| {mode} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
               f"{100 * r['host_share']:.1f}% | {r['device_span_ms']:.2f} | {r['idle_ms']:.2f} | "
               f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} |")
+    if args.arrivals:
+        print(f"\nsteps of {args.batch} decodes + one {args.arrivals}-token prompt (eager):")
+        for mode, r in results["runs"].items():
+            print(f"| {mode} | {r['mixed_step_ms']:.2f} ms |")
 
 
 if __name__ == "__main__":
