@@ -24,6 +24,8 @@ import torch
 
 from pagedmla import LLM, SamplingParams
 from pagedmla.cli import main
+from pagedmla.distributed import runtime
+from pagedmla.distributed.channel import Kind
 from tests.dist_helpers import free_port
 
 LOGPROB_TOL = 1e-4
@@ -218,3 +220,37 @@ def test_cli_generate_with_parallel_flags(capsys: pytest.CaptureFixture[str]) ->
                  "--prompt", "hello"]) == 0
     assert "completion:" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()  # the LLM was dropped: workers stopped
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_shutdown_order(monkeypatch: pytest.MonkeyPatch, alive: bool) -> None:
+    """What close() does, in the order NCCL needs (the real thing runs on two GPUs in
+    test_cuda_graph): the before-close callbacks (freeing captured graphs, which NCCL's
+    teardown would otherwise wait for) first; with live workers the shutdown message,
+    then leaving the group, whose teardown waits for every rank's, and only then
+    reaping them; with a dead one, kill the rest first, then leave."""
+    calls: list[tuple] = []
+
+    class Proc:
+        def is_alive(self) -> bool:
+            return alive
+
+    class Workers:
+        def __init__(self) -> None:
+            self.serving = True
+            self.procs = [Proc()]
+
+        def stop(self, graceful: bool = False) -> None:
+            calls.append(("stop", graceful))
+
+    class Channel:
+        def send(self, kind: Kind) -> None:
+            calls.append(("send", kind))
+
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: ("destroy",) not in calls)
+    monkeypatch.setattr(runtime.dist, "destroy_process_group", lambda: calls.append(("destroy",)))
+    runtime._shutdown(Workers(), Channel(), True, [lambda: calls.append(("graphs",))])
+    if alive:
+        assert calls == [("graphs",), ("send", Kind.SHUTDOWN), ("destroy",), ("stop", True)]
+    else:
+        assert calls == [("graphs",), ("stop", False), ("destroy",)]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder
+from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder, ops
 from pagedmla.testing import PagedBatch, make_paged_batch
 
 DIMS = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -312,6 +313,19 @@ def test_bad_cache_arguments() -> None:
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend"):
         MLAAttention(DIMS, backend="no-such-backend")
+
+
+def test_backend_registration_replaces_a_resolved_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backends are resolved once per (name, device type); registering a name again
+    must not leave callers with the old one."""
+    monkeypatch.setattr(ops, "_LOADERS", dict(ops._LOADERS))
+    first = replace(ops.REFERENCE, name="first")
+    second = replace(ops.REFERENCE, name="second")
+    ops.register_backend("swapped", lambda: first)
+    assert ops.get_backend("swapped", "cpu") is first
+    ops.register_backend("swapped", lambda: second)
+    assert ops.get_backend("swapped", torch.device("cpu")) is second
+    ops._resolve.cache_clear()  # forget "swapped" before the registry is restored
 
 
 @pytest.mark.parametrize(
