@@ -56,13 +56,27 @@ def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
     return config
 
 
+def _add_requests(llm: LLM, gen: torch.Generator, first_id: int, count: int, length: int,
+                  params: SamplingParams) -> None:
+    """`count` requests of `length` random tokens, ids first_id.., straight to the
+    scheduler (the benchmarks drive the steps themselves)."""
+    for i in range(count):
+        ids = torch.randint(0, llm.config.vocab_size, (length,), generator=gen).tolist()
+        llm.scheduler.add(Sequence(first_id + i, ids, params))
+
+
+def _drop_requests(llm: LLM) -> None:
+    """Forget every request and free its blocks, so that the next measurement starts
+    from an empty engine."""
+    for seq in list(llm.scheduler.running):
+        llm.block_manager.free(seq)
+    llm.scheduler.running.clear()
+    llm.scheduler.waiting.clear()
+
+
 def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(0)
-    vocab = llm.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        ids = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        llm.scheduler.add(Sequence(10_000 + i, ids, params))
+    _add_requests(llm, torch.Generator().manual_seed(0), 10_000, batch, prompt_len, params)
     events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
 
     def launch(scheduled, before=None):
@@ -97,10 +111,7 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
         launched = following
     if launched is not None:
         llm.complete(launched, start)
-    for seq in list(llm.scheduler.running):
-        llm.block_manager.free(seq)
-    llm.scheduler.running.clear()
-    llm.scheduler.waiting.clear()
+    _drop_requests(llm)
     step = statistics.median(total)
     host_s = statistics.median(host)
     idle = statistics.median(t - d for t, d in zip(total, device, strict=True))
@@ -115,14 +126,8 @@ def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
     arrivals): such steps are never graphs. Wall time per step, synchronous, median
     after the first (which may compile kernels for the new shapes)."""
     gen = torch.Generator().manual_seed(1)
-    vocab = llm.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
-
-    def prompt(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=gen).tolist()
-
-    for i in range(batch):
-        llm.scheduler.add(Sequence(20_000 + i, prompt(prompt_len), params))
+    _add_requests(llm, gen, 20_000, batch, prompt_len, params)
     start = time.perf_counter()
     while llm.scheduler.waiting or any(
         seq.num_computed_tokens < seq.num_prompt_tokens for seq in llm.scheduler.running
@@ -130,7 +135,7 @@ def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
         llm.step({}, start)
     times = []
     for i in range(steps + 1):
-        llm.scheduler.add(Sequence(30_000 + i, prompt(arrival_len), params))
+        _add_requests(llm, gen, 30_000 + i, 1, arrival_len, params)
         prefilled = llm.stats.prefill_tokens
         torch.cuda.synchronize()
         tick = time.perf_counter()
@@ -139,10 +144,7 @@ def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
         times.append(time.perf_counter() - tick)
         if llm.stats.prefill_tokens - prefilled != arrival_len:
             raise RuntimeError("the new prompt was not prefilled in its step (max_num_seqs?)")
-    for seq in list(llm.scheduler.running):
-        llm.block_manager.free(seq)
-    llm.scheduler.running.clear()
-    llm.scheduler.waiting.clear()
+    _drop_requests(llm)
     return {"mixed_step_ms": statistics.median(times[1:]) * 1e3, "arrival_len": arrival_len}
 
 
