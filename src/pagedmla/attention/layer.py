@@ -28,10 +28,11 @@ class MLAAttention(nn.Module):
     first P outputs are k_nope and the next V are v. It is split once into
     W_UK [N, P, L] (absorbed into decode queries) and W_UV [N, L, V].
 
-    forward(q [T, N, P + R], kv_c_normed [T, L], k_pe [T, R] rotated, cache, meta):
+    forward(q [T, N, P + R], kv_c_normed [T, L], k_pe [T, R] rotated, cache, meta, out):
     writes the new latents into the cache, runs the decode rows (the first
     meta.num_decode_tokens) through the absorbed MQA path and the rest through the
-    MHA path with chunked context, and returns [T, N * V].
+    MHA path with chunked context, and returns [T, N * V]: `out` when given (a
+    contiguous tensor of q's dtype and device, e.g. a static buffer), else a new one.
     """
 
     def __init__(
@@ -82,24 +83,36 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor,
         cache: LatentKVCache,
         meta: MLAMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._validate(q, kv_c_normed, k_pe, cache, meta)
         ops = self.ops(q.device)
         d = self.dims
+        T = q.shape[0]
+        if out is None:
+            out = torch.empty(T, d.num_heads * d.v_head_dim, dtype=q.dtype, device=q.device)
+        else:
+            _expect_tensor("out", out, (T, d.num_heads * d.v_head_dim))
+            if out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+                raise ValueError(
+                    f"out must be a contiguous {q.dtype} tensor on {q.device}, got "
+                    f"{'a contiguous' if out.is_contiguous() else 'a strided'} {out.dtype} "
+                    f"tensor on {out.device}"
+                )
         ops.write_cache(cache.data, kv_c_normed, k_pe, meta.slot_mapping, cache.scale)
-        out = torch.empty(q.shape[0], d.num_heads, d.v_head_dim, dtype=q.dtype, device=q.device)
+        heads = out.view(T, d.num_heads, d.v_head_dim)
         Td = meta.num_decode_tokens
         if meta.decode is not None:
             absorbed_decode(
                 q[:Td], self.W_UK, self.W_UV, cache, meta.decode, self.softmax_scale, ops,
-                out[:Td],
+                heads[:Td],
             )
         if meta.prefill is not None:
             mha_prefill(
                 q[Td:], kv_c_normed[Td:], k_pe[Td:], self.kv_b_proj, cache, meta.prefill,
-                self.softmax_scale, ops, out[Td:],
+                self.softmax_scale, ops, heads[Td:],
             )
-        return out.view(q.shape[0], d.num_heads * d.v_head_dim)
+        return out
 
     def _validate(
         self,

@@ -75,6 +75,11 @@ class TensorParallelLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @property
+    def decoder(self) -> DeepseekForCausalLM:
+        """The sharded layers' owner (`PiecewiseGraphs` runs them piece by piece)."""
+        return self.model
+
 
 def _share(total: int, state: ParallelState) -> slice:
     """This rank's contiguous, balanced part of range(total)."""

@@ -16,6 +16,7 @@ from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
 from pagedmla.engine.sampler import DrawnTokens, draw
 from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
@@ -57,8 +58,10 @@ class LLM:
     tokens: a block then holds block_size tokens per rank. close() (or a `with` block)
     stops the workers; they also stop when this process exits.
 
-    On one GPU with graph-safe kernels (Triton), decode-only steps replay CUDA graphs
-    captured at start-up for a ladder of batch sizes; enforce_eager turns that off.
+    With graph-safe kernels (Triton) on CUDA, decode-only steps replay CUDA graphs
+    captured at start-up for a ladder of batch sizes, and other steps of up to 2048
+    tokens replay graphs of everything but attention (`PiecewiseGraphs`), with
+    attention run eagerly between them; enforce_eager turns both off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     async_scheduling (one process only) plans and enqueues each steady-state decode step
@@ -157,9 +160,13 @@ class LLM:
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
                 max_model_len=self.max_model_len, dcp=self.builder.decode_hook,
             )
+            self.runner.pieces = PiecewiseGraphs(
+                self.model, self.caches, token_buckets(max_num_batched_tokens)
+            )
             if self.parallel is not None:
-                # Not a method of self: the runtime's finalizer must not keep the LLM alive.
+                # Not methods of self: the runtime's finalizer must not keep the LLM alive.
                 self.parallel.before_close(self.runner.graphs.release)
+                self.parallel.before_close(self.runner.pieces.release)
         self.async_scheduling = async_scheduling and self.parallel is None
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)

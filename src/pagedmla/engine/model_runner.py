@@ -10,6 +10,7 @@ import torch
 from pagedmla.cache import LatentKVCache
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs
+from pagedmla.engine.piecewise import PiecewiseGraphs
 from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
 
@@ -33,8 +34,10 @@ class ModelRunner:
         self.block_manager = block_manager
         self.builder = builder
         self.device = builder.device
-        # Set by the engine when decode steps replay CUDA graphs (None: always eager).
+        # Set by the engine when decode steps replay CUDA graphs (None: always eager),
+        # and when other steps of up to pieces.max_tokens tokens replay their pieces.
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
         """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec.
@@ -125,6 +128,13 @@ class ModelRunner:
             return graphs.run(token_ids, positions, self.builder.decode_spec(spec), sample_rows,
                               device_token_ids)
         meta = self.builder.build(spec)
+        pieces = self.pieces
+        if (
+            pieces is not None
+            and device_token_ids is None
+            and token_ids.shape[0] <= pieces.max_tokens
+        ):
+            return pieces.run(token_ids, positions, meta, sample_rows)
         if device_token_ids is None:
             device_token_ids = token_ids.to(self.device, non_blocking=True)
         hidden = self.model(

@@ -84,14 +84,11 @@ class DeepseekAttention(nn.Module):
         self.o_proj = empty_linear(N * d.v_head_dim, H, dtype, device)
         self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        cache: LatentKVCache,
-        meta: MLAMetadata,
-    ) -> torch.Tensor:
+    def project(
+        self, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> MLAAttention's inputs: q [T, N, P + R] (rope applied),
+        the normalised latent kv_c [T, L] and k_pe [T, R] (rope applied)."""
         d = self.dims
         T, L = hidden.shape[0], d.kv_lora_rank
         if d.q_lora_rank is None:
@@ -105,7 +102,17 @@ class DeepseekAttention(nn.Module):
             k_pe = latent[:, L:].contiguous()
         else:  # q's rope dims in place (q is this layer's own projection)
             k_pe = self.attn.ops(q.device).rotary(q, latent[:, L:], cos, sin, self.interleaved)
-        return self.o_proj(self.attn(q, kv_c, k_pe, cache, meta))
+        return q, kv_c, k_pe
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: MLAMetadata,
+    ) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.project(hidden, cos, sin), cache, meta))
 
 
 class DecoderLayer(nn.Module):
@@ -137,11 +144,29 @@ class DecoderLayer(nn.Module):
         """(hidden, residual) -> (mlp output, residual stream before it); the stream is
         hidden + residual, or hidden alone for the first layer (residual None). Each
         residual add is fused with the norm after it."""
+        q, kv_c, k_pe, residual = self.before_attention(hidden, residual, cos, sin)
+        return self.after_attention(self.self_attn.attn(q, kv_c, k_pe, cache, meta), residual)
+
+    def before_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention: (q, kv_c, k_pe) as `DeepseekAttention.project`
+        gives them, and the residual stream."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.fused_add(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, cache, meta)
+        return (*self.self_attn.project(hidden, cos, sin), residual)
+
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from attention's output [T, N * V] on: (mlp output, residual)."""
+        hidden = self.self_attn.o_proj(attn_out)
         hidden, residual = self.post_attention_layernorm.fused_add(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -193,13 +218,30 @@ class DeepseekForCausalLM(nn.Module):
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"caches has {len(caches)} entries, expected {len(self.layers)}")
-        hidden = self.embed_tokens(input_ids)
-        cos = sin = None
-        if self.rotary is not None:
-            cos, sin = self.rotary(positions)
+        hidden, cos, sin = self.embed(input_ids, positions)
         residual = None
         for layer, cache in zip(self.layers, caches):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
+        return self.final_norm(hidden, residual)
+
+    @property
+    def decoder(self) -> DeepseekForCausalLM:
+        """The layers' owner (this model; a tensor parallel wrapper returns its inner one)."""
+        return self
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """input_ids [T], positions [T] -> (hidden [T, H], rope cos and sin [T, R / 2],
+        None without rope dims)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.rotary is None:
+            return hidden, None, None
+        cos, sin = self.rotary(positions)
+        return hidden, cos, sin
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (hidden, residual) -> the final-normed stream [T, H]."""
         return self.norm(hidden) if residual is None else self.norm.fused_add(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

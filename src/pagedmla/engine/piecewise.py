@@ -1,0 +1,188 @@
+"""CUDA graphs for steps that are not plain decodes: everything but attention.
+
+A step with prompts in it (alone, or mixed with decodes) cannot be captured whole: its
+attention metadata (which requests take which path, context chunks) changes from step
+to step. The rest of a layer depends only on the number of tokens T. So the model runs
+in pieces split at attention: piece 0 embeds the tokens and projects layer 0 (q, the
+normalised latent, k_pe); piece i (1..n-1) finishes layer i-1 (o_proj, the residual add
+with the norm, the MLP or experts) and projects layer i; piece n finishes the last
+layer and applies the final norm. Each piece is captured once per token bucket (T padded
+up to a power of two), and attention runs eagerly between the replays on the step's
+real rows. A step of 27 layers then launches 28 graphs and the attention kernels instead
+of ~470 kernels, one at a time from Python.
+
+Tensors crossing a piece boundary live in static buffers shared by every layer and
+bucket (views of the largest bucket's): each piece copies its outputs there, so the
+graph's own temporaries are dead when its capture ends and every capture reuses one
+memory pool. Padded rows hold what an earlier step left there (valid token ids and
+positions, stale attention outputs; zeros at first): every op of the pieces works row
+by row, so they never reach a real row.
+
+Steps above the largest bucket run eagerly: with that many tokens the device, not the
+host, is the bottleneck. On the CPU (no graphs) `run` calls the pieces instead of
+replaying them, which exercises the same buffers and padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from pagedmla.cache import LatentKVCache
+from pagedmla.metadata import MLAMetadata
+
+MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
+MIN_TOKENS = 16
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, .. up to the first power of two >= max_tokens (at most MAX_TOKENS)."""
+    top = min(max_tokens, MAX_TOKENS)
+    sizes = [MIN_TOKENS]
+    while sizes[-1] < top:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+class PiecewiseGraphs:
+    """The pieces of `model` (the engine's model: `decoder` owns the layers,
+    `compute_logits` the head) over `caches`, captured for each T in `buckets` on CUDA.
+
+    `run(token_ids [T], positions [T], meta, sample_rows)` runs a step of T <=
+    max_tokens tokens and returns the logits [len(sample_rows), vocab] float32.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, caches: list[LatentKVCache], buckets: list[int]
+    ) -> None:
+        self.model = model
+        self.decoder = model.decoder
+        self.caches = caches
+        self.buckets = sorted(buckets)
+        rows = self.buckets[-1]
+        dec = self.decoder
+        d = dec.layers[0].self_attn.dims  # this rank's heads
+        H = dec.config.hidden_size
+        weight = dec.embed_tokens.weight
+        dtype, device = weight.dtype, weight.device
+        self.device = device
+
+        def zeros(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+            # Zeros, not garbage: capture warm-ups read these before any step wrote them.
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # Token ids and positions, and their pinned host twin: one copy per step.
+        self._inputs = zeros(2, rows, dtype=torch.int64)
+        self.input_ids, self.positions = self._inputs
+        self._host_inputs = torch.zeros(2, rows, dtype=torch.int64,
+                                        pin_memory=device.type == "cuda")
+        # Recorded after each copy: the host twin is rewritten only once it was read.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.q = zeros(rows, d.num_heads, d.qk_head_dim)
+        self.kv_c = zeros(rows, d.kv_lora_rank)
+        self.k_pe = zeros(rows, d.qk_rope_head_dim)
+        self.residual = zeros(rows, H)
+        self.attn_out = zeros(rows, d.num_heads * d.v_head_dim)
+        self.hidden = zeros(rows, H)
+        self.cos = self.sin = None
+        if dec.rotary is not None:
+            cos, sin = dec.rotary(self.positions[:1])
+            self.cos = zeros(rows, cos.shape[-1], dtype=cos.dtype)
+            self.sin = zeros(rows, sin.shape[-1], dtype=sin.dtype)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        if device.type == "cuda":
+            self._capture()
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def _piece(self, i: int, rows: int) -> None:
+        """Piece i over the first `rows` rows of the static buffers."""
+        dec = self.decoder
+        cos = None if self.cos is None else self.cos[:rows]
+        sin = None if self.sin is None else self.sin[:rows]
+        residual: torch.Tensor | None
+        if i == 0:
+            hidden, cos_new, sin_new = dec.embed(self.input_ids[:rows], self.positions[:rows])
+            if cos is not None:
+                cos.copy_(cos_new)
+                sin.copy_(sin_new)
+            residual = None
+        else:
+            hidden, residual = dec.layers[i - 1].after_attention(
+                self.attn_out[:rows], self.residual[:rows]
+            )
+        if i == len(dec.layers):
+            self.hidden[:rows].copy_(dec.final_norm(hidden, residual))
+            return
+        q, kv_c, k_pe, residual = dec.layers[i].before_attention(hidden, residual, cos, sin)
+        self.q[:rows].copy_(q)
+        self.kv_c[:rows].copy_(kv_c)
+        self.k_pe[:rows].copy_(k_pe)
+        self.residual[:rows].copy_(residual)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        pieces = range(len(self.decoder.layers) + 1)
+        for rows in reversed(self.buckets):  # largest first: the others reuse its memory
+            for i in pieces:  # warm-up outside the graphs: compiles kernels for this T
+                self._piece(i, rows)
+            torch.cuda.synchronize()
+            graphs = []
+            for i in pieces:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(i, rows)
+                pool = graph.pool()
+                graphs.append(graph)
+            self.graphs[rows] = graphs
+        torch.cuda.synchronize()
+
+    def _replay(self, i: int, rows: int) -> None:
+        if self.graphs:
+            self.graphs[rows][i].replay()
+        else:
+            self._piece(i, rows)
+
+    def release(self) -> None:
+        """Free the captured graphs (and with them the collectives they hold)."""
+        torch.cuda.synchronize(self.device)
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self.graphs.clear()
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: MLAMetadata,
+        sample_rows: list[int],
+    ) -> torch.Tensor:
+        """A step of T <= max_tokens tokens: host token_ids [T] and positions [T] int64,
+        the step's metadata; returns the logits of sample_rows [S, vocab] float32."""
+        num_tokens = token_ids.shape[0]
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed the largest bucket ({self.max_tokens})")
+        rows = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._host_inputs[0, :num_tokens] = token_ids
+        self._host_inputs[1, :num_tokens] = positions
+        # The whole twin (at most 32 KB): a contiguous source keeps the copy asynchronous.
+        self._inputs.copy_(self._host_inputs, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+        self._replay(0, rows)
+        layers = self.decoder.layers
+        for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
+            real = slice(0, num_tokens)
+            layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache, meta,
+                                 out=self.attn_out[real])
+            self._replay(i + 1, rows)
+        index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(self.hidden.index_select(0, index)).float()
