@@ -59,7 +59,8 @@ CASES = [
 ]
 
 
-def _run_case(state: ParallelState, case: Case, seed: int) -> tuple[float, int, int]:
+def _run_case(state: ParallelState, case: Case, seed: int,
+              backend: str) -> tuple[float, int, int]:
     """(relative error of this rank's heads, cache slots wrong, context chunks)."""
     D, rank = state.dcp_size, state.dcp_rank
     layout = DCPLayout(D, rank, case.interleave, case.block_size)
@@ -80,7 +81,7 @@ def _run_case(state: ParallelState, case: Case, seed: int) -> tuple[float, int, 
     latent = DIMS.kv_lora_rank
     kv_b_proj = batch.kv_b_proj.view(DIMS.num_heads, -1, latent)[mine].reshape(-1, latent)
     attn = MLAAttention(dims, softmax_scale=batch.softmax_scale, kv_b_proj=kv_b_proj,
-                        backend="reference")
+                        backend=backend)
     out = attn(batch.q[:, mine].contiguous(), batch.kv_c, batch.k_pe, cache, meta)
     ref = batch.oracle(case.decode_threshold).view(batch.num_tokens, DIMS.num_heads, -1)
     err = relative_error(out, ref[:, mine])
@@ -90,15 +91,17 @@ def _run_case(state: ParallelState, case: Case, seed: int) -> tuple[float, int, 
     return err, wrong, len(context.chunks) if context is not None else 0
 
 
-def _all_cases(world: int) -> list[tuple[float, int, int]]:
+def _all_cases(world: int, backend: str) -> list[tuple[float, int, int]]:
     state = ParallelState.connect(world, world, torch.device("cpu"))
     assert dist.get_world_size() == world
-    return [_run_case(state, case, seed) for seed, case in enumerate(CASES)]
+    return [_run_case(state, case, seed, backend) for seed, case in enumerate(CASES)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dcp_layer_matches_oracle(world: int) -> None:
-    per_rank = run_ranks(_all_cases, world, world)
+# The Triton backend (interpreter) on two ranks: its kernels, the partials' merge included.
+@pytest.mark.parametrize(("world", "backend"), [(2, "reference"), (4, "reference"),
+                                                (2, "triton")])
+def test_dcp_layer_matches_oracle(world: int, backend: str) -> None:
+    per_rank = run_ranks(_all_cases, world, world, backend)
     for index, case in enumerate(CASES):
         for rank, results in enumerate(per_rank):
             err, wrong, chunks = results[index]

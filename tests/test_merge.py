@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedmla import merge_attn_states
+from pagedmla.ops import get_backend
 
 INF = math.inf
 
@@ -165,3 +166,44 @@ def test_shape_and_dtype_validation() -> None:
         merge_attn_states(out_p, lse_p, out_s, lse_s, output_lse=torch.empty(6, 3))
     with pytest.raises(TypeError, match="prefix_output"):
         merge_attn_states(out_p.numpy(), lse_p, out_s, lse_s)
+
+
+def _oracle_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The D-way log-sum-exp merge in float64, one (token, head) at a time: the finite
+    lse's partials weighted by exp(lse); none finite -> 0."""
+    D, T, N, L = out.shape
+    merged = torch.zeros(T, N, L, dtype=torch.float64)
+    for t in range(T):
+        for n in range(N):
+            live = [d for d in range(D) if math.isfinite(lse[d, t, n].item())]
+            if not live:
+                continue
+            logs = torch.tensor([lse[d, t, n].item() for d in live], dtype=torch.float64)
+            weights = torch.softmax(logs, dim=0)
+            for w, d in zip(weights, live, strict=True):
+                merged[t, n] += w * out[d, t, n].double()
+    return merged
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(("D", "T", "N", "L"), [(1, 3, 2, 16), (2, 5, 3, 40), (3, 4, 2, 64),
+                                                (4, 2, 5, 24)])
+def test_merge_partials(backend: str, D: int, T: int, N: int, L: int) -> None:
+    """Decode context parallel partials, laid out as DCPDecode receives them (outputs and
+    lse packed in one [D, T, N, L + 1] buffer, so both are strided), against the float64
+    oracle: empty partials (lse -inf or +inf, output NaN: never read) in random places,
+    one row empty in every partial (0 out)."""
+    gen = torch.Generator().manual_seed(D * 1000 + T * 10 + N)
+    packed = torch.randn(D, T, N, L + 1, generator=gen)
+    packed[..., L] = torch.randn(D, T, N, generator=gen) * 6
+    empty = torch.rand(D, T, N, generator=gen) < 0.3
+    empty[:, 0, 0] = True
+    packed[..., L][empty] = torch.where(torch.rand(int(empty.sum()), generator=gen) < 0.5,
+                                        -INF, INF)
+    packed[..., :L][empty] = float("nan")
+    out, lse = packed[..., :L], packed[..., L]
+    merged = get_backend(backend, "cpu").merge_partials(out, lse, torch.float32)
+    assert merged.shape == (T, N, L) and merged.dtype == torch.float32
+    want = _oracle_partials(out, lse)
+    assert torch.allclose(merged.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(merged[0, 0], torch.zeros(L))

@@ -48,5 +48,5 @@ def absorbed_decode(
         softmax_scale,
     )
     if meta.dcp is not None:
-        latent_out = meta.dcp.combine(latent_out, lse)
+        latent_out = meta.dcp.combine(latent_out, lse, ops)
     torch.bmm(latent_out.transpose(0, 1), W_UV, out=out.transpose(0, 1))

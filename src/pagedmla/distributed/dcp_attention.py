@@ -20,21 +20,6 @@ from pagedmla.metadata import ContextChunk, Workspace
 from pagedmla.ops import Backend
 
 
-def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Merge D softmax partials over disjoint keys: out [D, T, N, L], lse [D, T, N] -> [T, N, L].
-
-    As merge_attn_states for D inputs: an lse of -inf (or +inf) is an empty partial,
-    whose output is not read; rows where every partial is empty come out 0.
-    """
-    lse = torch.where(lse == float("inf"), float("-inf"), lse.float())
-    peak = lse.amax(dim=0)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(lse - peak).unsqueeze(-1)  # [D, T, N, 1]; 0 for empty partials
-    total = weights.sum(dim=0)
-    merged = torch.where(weights > 0, out.float() * weights, 0.0).sum(dim=0)
-    return (merged / torch.where(total > 0, total, torch.ones_like(total))).to(dtype)
-
-
 class DCPDecode:
     """Query all-gather and partial combine around the absorbed decode kernel."""
 
@@ -47,16 +32,17 @@ class DCPDecode:
         gathered = self.state.dcp_all_gather(q)  # [D, Td, N, L + R]
         return gathered.transpose(0, 1).reshape(q.shape[0], -1, q.shape[2])
 
-    def combine(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, lse: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Partials over this rank's rows, out [Td, D * N, L] and lse [D * N, Td] ->
-        the exact result for this rank's N heads, [Td, N, L] in out's dtype."""
+        the exact result for this rank's N heads, [Td, N, L] in out's dtype (merged by
+        the backend's `merge_partials`)."""
         D = self.state.dcp_size
         Td, _, L = out.shape
         # One message per peer: its heads' outputs with their lse as an extra column.
         packed = torch.cat([out.float(), lse.t().unsqueeze(-1)], dim=-1)  # [Td, D * N, L + 1]
         send = packed.view(Td, D, -1, L + 1).transpose(0, 1)  # [D, Td, N, L + 1]
         received = self.state.dcp_all_to_all(send)  # part k: rank k's rows, my heads
-        return merge_partials(received[..., :L], received[..., L], out.dtype)
+        return ops.merge_partials(received[..., :L], received[..., L], out.dtype)
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Backend:
     mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge_attn_states: Callable[..., None]
+    merge_partials: Callable[..., torch.Tensor]
     # The model's other per-token ops, fused where the backend can.
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -43,6 +44,7 @@ REFERENCE = Backend(
     mla_decode=reference.mla_decode,
     varlen_attention=reference.varlen_attention,
     merge_attn_states=reference.merge_attn_states,
+    merge_partials=reference.merge_partials,
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,

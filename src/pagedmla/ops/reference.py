@@ -208,6 +208,22 @@ def merge_attn_states(
         output_lse.copy_(merged_lse.squeeze(-1).transpose(0, 1))
 
 
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Merge D softmax partials over disjoint keys: out [D, T, N, L], lse [D, T, N] ->
+    [T, N, L] in dtype.
+
+    As merge_attn_states for D inputs: an lse of -inf (or +inf) is an empty partial,
+    whose output is not read; rows where every partial is empty come out 0.
+    """
+    lse = torch.where(lse == float("inf"), float("-inf"), lse.float())
+    peak = lse.amax(dim=0)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(lse - peak).unsqueeze(-1)  # [D, T, N, 1]; 0 for empty partials
+    total = weights.sum(dim=0)
+    merged = torch.where(weights > 0, out.float() * weights, 0.0).sum(dim=0)
+    return (merged / torch.where(total > 0, total, torch.ones_like(total))).to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, D] (rows may be strided) -> weight * x / rms(x) [T, D].
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
-from pagedmla.ops.triton.decode import mla_decode
+from pagedmla.ops.triton.decode import merge_partials, mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
@@ -28,6 +28,7 @@ TRITON_BACKEND = Backend(
     mla_decode=mla_decode,
     varlen_attention=prefill_attention,
     merge_attn_states=merge_attn_states,
+    merge_partials=merge_partials,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     rotary=rotary,
@@ -41,6 +42,7 @@ __all__ = [
     "fused_experts",
     "gather_cache",
     "merge_attn_states",
+    "merge_partials",
     "mla_decode",
     "prefill_attention",
     "rms_norm",

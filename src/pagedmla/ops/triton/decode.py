@@ -494,30 +494,38 @@ def _decode_combine_kernel(
     stride_lh, stride_lt,
     num_heads, num_splits,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr, ALL_SPLITS: tl.constexpr,
 ):
     """One (column block, head x token of request, request): merge splits by lse.
 
     All splits of the column block are loaded at once ([BLOCK_S, BLOCK_C]), so a
     request with 100+ splits costs one round trip, not one per split. Only the splits
     the request uses are read (derived from its seq_len as in stage 1), and a split
-    with lse -inf (no visible key) is not read at all.
+    with lse -inf or +inf (no visible key) is not read at all. ALL_SPLITS (decode
+    context parallel partials, `merge_partials`): every "request" is one token and all
+    num_splits partials are candidates; seq_lens and query_start_loc are not read.
     """
     col_block = tl.program_id(0)
     head = tl.program_id(1) % num_heads
     t = tl.program_id(1) // num_heads
     req = tl.program_id(2)
-    q_begin = tl.load(query_start_ptr + req)
-    q_len = tl.load(query_start_ptr + req + 1) - q_begin
-    seq_len = tl.load(seq_lens_ptr + req)
-    chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
-    used = tl.minimum(tl.cdiv(seq_len, chunk), num_splits)
+    if ALL_SPLITS:
+        q_begin = req
+        q_len = 1
+        used = num_splits
+    else:
+        q_begin = tl.load(query_start_ptr + req)
+        q_len = tl.load(query_start_ptr + req + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + req)
+        chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
+        used = tl.minimum(tl.cdiv(seq_len, chunk), num_splits)
     used = tl.where(t < q_len, used, 0)  # tokens past this request's q_len: nothing
 
     token = (q_begin + t).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     lse = tl.load(part_lse_ptr + token * stride_st + head * stride_sh + splits * stride_ss,
                   mask=splits < used, other=float("-inf"))
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
     peak = tl.max(lse, 0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)
     weight = tl.math.exp2((lse - peak) * 1.4426950408889634)
@@ -688,6 +696,35 @@ def mla_decode(
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, num_splits,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, MIN_CHUNK=cfg.min_chunk,
-        CHUNK_ALIGN=block_n, num_warps=COMBINE_WARPS,
+        CHUNK_ALIGN=block_n, ALL_SPLITS=False, num_warps=COMBINE_WARPS,
     )
     return out, lse
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """As `reference.merge_partials`, in one launch of the decode combine kernel: D
+    partials over disjoint keys, out [D, T, N, L] (any strides, unit last) and lse
+    [D, T, N] float32 -> [T, N, L] in dtype. Decode context parallelism merges its
+    ranks' partials with it, one split per rank."""
+    check_device(out, lse)
+    if out.dim() != 4 or tuple(lse.shape) != tuple(out.shape[:3]):
+        raise ValueError(f"out must be [D, T, N, L] and lse [D, T, N], got "
+                         f"{list(out.shape)} and {list(lse.shape)}")
+    D, T, N, L = out.shape
+    out = last_dim_contiguous(out)
+    merged = torch.empty(T, N, L, dtype=dtype, device=out.device)
+    if D == 0 or T == 0 or N == 0 or L == 0:
+        return merged.zero_()
+    merged_lse = torch.empty(N, T, dtype=torch.float32, device=out.device)  # not returned
+    block_s = next_pow2(D)
+    block_c = max(16, min(next_pow2(L), COMBINE_ELEMENTS // block_s))
+    _decode_combine_kernel[(cdiv(L, block_c), N, T)](
+        out, lse, lse, lse, merged, merged_lse,  # seq_lens / query_start_loc: not read
+        out.stride(1), out.stride(2), out.stride(0),
+        lse.stride(1), lse.stride(2), lse.stride(0),
+        merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
+        N, D,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, MIN_CHUNK=1, CHUNK_ALIGN=1, ALL_SPLITS=True,
+        num_warps=COMBINE_WARPS,
+    )
+    return merged
