@@ -10,9 +10,8 @@ the token map and bookkeeping), i.e. all but the wait for the sampled tokens. De
 span: CUDA events around a step's enqueues, so the GPU time from reaching the step's
 first work to its last; GPU idle = step - span, the host work that nothing overlaps.
 Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. With
-`--tensor-parallel 2` the engine spawns a second rank (NCCL) and steps are synchronous
-(async scheduling is off under TP, so the async mode is left out); `--dcp 2` adds
-decode context parallelism over the same two ranks.
+`--tensor-parallel 2` the engine spawns a second rank (NCCL); `--dcp 2` adds decode
+context parallelism over the same two ranks.
 
     python3 benchmarks/bench_engine.py --out engine.json
 
@@ -163,8 +162,6 @@ def main() -> None:
     parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
-    if args.tensor_parallel > 1:
-        args.modes = ",".join(m for m in args.modes.split(",") if m != "cuda_graphs_async")
     config = bench_config(args.layers, args.hidden, args.moe)
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from pagedmla.cli import main
 from pagedmla.distributed import runtime
 from pagedmla.distributed.channel import Kind
 from tests.dist_helpers import free_port
+from tests.engine_helpers import ahead_steps
 
 LOGPROB_TOL = 1e-4
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=48,
@@ -254,3 +256,28 @@ def test_shutdown_order(monkeypatch: pytest.MonkeyPatch, alive: bool) -> None:
         assert calls == [("graphs",), ("send", Kind.SHUTDOWN), ("destroy",), ("stop", True)]
     else:
         assert calls == [("graphs",), ("stop", False), ("destroy",)]
+
+
+@pytest.mark.parametrize(("tp", "dcp"), [(2, 1), (2, 2)])
+def test_parallel_async_scheduling_matches_single_process(tp: int, dcp: int) -> None:
+    """Ahead steps under TP / DCP: the step goes out before its token ids exist on the
+    host, and the ranks receive them by a broadcast of rank 0's samples. Rows leave at
+    different steps (max_tokens 3..9, one stop token), so later ahead steps gather a
+    subset of the samples."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (3, 9, 17, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, logprobs=1,
+                             ignore_eos=True) for i in range(4)]
+    options = {**OPTIONS, "max_num_batched_tokens": 64}
+    single = LLM("tiny", async_scheduling=False, **options)
+    stop = single.generate(prompts, params, use_tqdm=False)[3].outputs[0].token_ids[4]
+    params[3] = replace(params[3], stop_token_ids=[stop])
+    expected = single.generate(prompts, params, use_tqdm=False)
+    with LLM("tiny", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+             **options) as llm:
+        assert llm.async_scheduling
+        with ahead_steps(llm) as sizes:
+            got = llm.generate(prompts, params, use_tqdm=False)
+    assert sizes and min(sizes) < max(sizes)  # ahead steps ran, also after rows left
+    assert expected[3].outputs[0].finish_reason == "stop"
+    _same([expected], [got])

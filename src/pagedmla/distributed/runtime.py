@@ -55,15 +55,17 @@ class DriverRunner(ModelRunner):
     def run(
         self, batch: ScheduledBatch, device_token_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if batch.ahead or device_token_ids is not None:
-            # The workers get host inputs by broadcast: tokens still on rank 0's device
-            # would need a device broadcast in step (LLM turns async scheduling off here).
-            raise ValueError("tensor parallel steps take host token ids, not ahead batches")
+        if batch.ahead and device_token_ids is None:
+            raise ValueError("an ahead batch takes its token ids from device_token_ids")
         token_ids, positions, spec = self.prepare(batch)
-        step = StepInputs(token_ids, positions, spec, self.sample_rows(batch))
+        step = StepInputs(token_ids, positions, spec, self.sample_rows(batch),
+                          device_tokens=device_token_ids is not None)
         with self.runtime.watching_workers():
             self.runtime.channel.send(Kind.STEP, step)
-            return self.execute(step.token_ids, step.positions, step.spec, step.sample_rows)
+            if device_token_ids is not None:
+                device_token_ids = self.runtime.state.broadcast(device_token_ids.contiguous())
+            return self.execute(step.token_ids, step.positions, step.spec, step.sample_rows,
+                                device_token_ids)
 
 
 class ParallelRuntime:
@@ -168,7 +170,12 @@ class ParallelRuntime:
             kind, step = self.channel.receive()
             if kind == Kind.STEP:
                 assert step is not None
-                runner.execute(step.token_ids, step.positions, step.spec, step.sample_rows)
+                device_token_ids = None
+                if step.device_tokens:  # an ahead step: rank 0 broadcasts its samples
+                    device_token_ids = self.state.broadcast(torch.empty_like(
+                        step.token_ids, device=self.device))
+                runner.execute(step.token_ids, step.positions, step.spec, step.sample_rows,
+                               device_token_ids)
             elif kind == Kind.END:
                 return kind, self.channel.receive_object()
             else:

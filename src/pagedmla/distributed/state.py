@@ -89,6 +89,11 @@ class ParallelState:
         dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from rank 0 to every TP rank, in place (on the device's stream); returns x."""
+        dist.broadcast(x, src=0, group=self.tp_group)
+        return x
+
     def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, ...] from every TP rank -> [tp_size, M, ...], rank order."""
         return _all_gather(x, self.tp_size, self.tp_group)

@@ -64,10 +64,11 @@ class LLM:
     attention run eagerly between them; enforce_eager turns both off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
-    async_scheduling (one process only) plans and enqueues each steady-state decode step
-    while the device still runs the one before (`Scheduler.schedule_ahead`), its token
-    ids read on the device from that step's samples, so the host's scheduling, input
-    preparation and bookkeeping overlap the device instead of adding to every step.
+    async_scheduling plans and enqueues each steady-state decode step while the device
+    still runs the one before (`Scheduler.schedule_ahead`), its token ids read on the
+    device from that step's samples (under tensor parallelism rank 0 broadcasts them to
+    the other ranks), so the host's scheduling, input preparation and bookkeeping
+    overlap the device instead of adding to every step.
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class LLM:
                 # Not methods of self: the runtime's finalizer must not keep the LLM alive.
                 self.parallel.before_close(self.runner.graphs.release)
                 self.parallel.before_close(self.runner.pieces.release)
-        self.async_scheduling = async_scheduling and self.parallel is None
+        self.async_scheduling = async_scheduling
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)
         self._next_id = 0
