@@ -58,6 +58,21 @@ def test_graph_inputs_stage_pads_and_checks() -> None:
         inputs.stage(1, *one, _decode_spec([[1] * 6], [5], [2]), [0])
 
 
+def _count_piece_steps(llm: LLM) -> list[int]:
+    """A counter of the steps that run as piecewise graphs (stays [0] without them)."""
+    count = [0]
+    pieces = llm.runner.pieces
+    if pieces is not None:
+        run = pieces.run
+
+        def counted(*args):
+            count[0] += 1
+            return run(*args)
+
+        pieces.run = counted
+    return count
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_graphs_match_eager() -> None:
@@ -77,8 +92,10 @@ def test_engine_graphs_match_eager() -> None:
             first = llm.generate(prompts, params, use_tqdm=False)[5].outputs[0].token_ids
             params[5] = SamplingParams(temperature=0.0, max_tokens=18, logprobs=1,
                                        ignore_eos=True, stop_token_ids=[first[6]])
+        pieces = _count_piece_steps(llm)
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.runner.graphs is None) == eager
+        assert (pieces[0] > 0) != eager  # the prompts' steps replayed piecewise graphs
     assert runs[0][5].outputs[0].finish_reason == "stop"
     for eager_out, *graph_outs in zip(*runs, strict=True):
         a = eager_out.outputs[0]
@@ -106,7 +123,9 @@ def test_parallel_graphs_match_eager(dcp: int) -> None:
                  max_num_seqs=8, enforce_eager=eager, num_kv_blocks=256,
                  tensor_parallel_size=2, decode_context_parallel_size=dcp) as llm:
             assert (llm.runner.graphs is None) == eager
+            pieces = _count_piece_steps(llm)
             runs.append(llm.generate(prompts, params, use_tqdm=False))
+            assert (pieces[0] > 0) != eager
             workers = list(llm.parallel.workers.procs)
         assert not any(proc.is_alive() for proc in workers)
     for eager_out, graph_out in zip(*runs, strict=True):
