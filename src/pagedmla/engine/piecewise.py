@@ -179,8 +179,8 @@ class PiecewiseGraphs:
             self._copied.record(torch.cuda.current_stream(self.device))
         self._replay(0, rows)
         layers = self.decoder.layers
+        real = slice(0, num_tokens)
         for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
-            real = slice(0, num_tokens)
             layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache, meta,
                                  out=self.attn_out[real])
             self._replay(i + 1, rows)

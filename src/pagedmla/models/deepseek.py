@@ -54,7 +54,9 @@ class RMSNorm(nn.Module):
 
 
 class DeepseekAttention(nn.Module):
-    """hidden [T, H] -> [T, H]: projections around one MLAAttention.
+    """The projections around one MLAAttention: `project` (hidden [T, H] -> its
+    inputs) before it, o_proj ([T, N * V] -> [T, H]) after it; DecoderLayer runs the
+    three, and PiecewiseGraphs runs them apart.
 
     q comes from q_proj, or from q_a_proj -> q_a_layernorm -> q_b_proj (q LoRA);
     kv_a_proj_with_mqa gives the latent [L] (normalised by kv_a_layernorm) and k_pe [R].
@@ -103,16 +105,6 @@ class DeepseekAttention(nn.Module):
         else:  # q's rope dims in place (q is this layer's own projection)
             k_pe = self.attn.ops(q.device).rotary(q, latent[:, L:], cos, sin, self.interleaved)
         return q, kv_c, k_pe
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        cache: LatentKVCache,
-        meta: MLAMetadata,
-    ) -> torch.Tensor:
-        return self.o_proj(self.attn(*self.project(hidden, cos, sin), cache, meta))
 
 
 class DecoderLayer(nn.Module):
