@@ -644,7 +644,7 @@ def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
         (torch.bfloat16, FP8, 32, 16, 512, None),  # 16-row kernel: 64-position tiles
         (torch.bfloat16, torch.bfloat16, 64, 17, 512, "64"),
         (torch.bfloat16, torch.bfloat16, 128, 128, 512, "64"),
-        (torch.bfloat16, FP8, 32, 128, 512, "64"),  # fp8: 32-position tiles
+        (torch.bfloat16, FP8, 32, 128, 512, "64"),  # fp8: pages of 32-row halves
         (torch.bfloat16, torch.bfloat16, 32, 128, 512, None),
         (torch.bfloat16, FP8, 16, 128, 512, None),
         (torch.float16, torch.bfloat16, 64, 128, 512, None),  # cache dtype != q dtype
@@ -740,8 +740,9 @@ def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
 @pytest.mark.parametrize("num_splits", [1, None])
 def test_decode_gpu_hopper_heads_kernel_fp8(block_size: int, q_lens: list[int],
                                             num_heads: int, num_splits: int | None) -> None:
-    # The 64-row kernel with an fp8 cache: 32-position tiles widened by the producer
-    # warpgroup (rows past the slice end zeroed there), pages of 32 and 128 tokens.
+    # The 64-row kernel with an fp8 cache: rows loaded through the block table and
+    # widened by the producer warpgroup (rows past the slice end zeroed there, NaN
+    # slots after them), pages of 32 and 128 tokens (a tile spans two pages of 32).
     from pagedmla.ops.triton import decode_hopper_heads
 
     seq_lens = [max(q_lens), 33, 64, 1000, 4097]

@@ -65,7 +65,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
 
 
 @gluon.jit
-def tile_row(table_row, start, PAGE: gl.constexpr):
+def _tile_row(table_row, start, PAGE: gl.constexpr):
     """Cache row of position `start` (int32: the cache holds fewer than 2**31 rows)."""
     return gl.load(table_row + start // PAGE) * PAGE + start % PAGE
 
@@ -157,11 +157,11 @@ def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, 
     HALF_L: gl.constexpr = ring_a.type.shape[2]
     nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
     last = lo + (num_tiles - 1) * TILE_N
-    row = tile_row(table_row, gl.minimum(lo, last), PAGE)
+    row = _tile_row(table_row, gl.minimum(lo, last), PAGE)
     for i in range(num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
-        row_next = tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
+        row_next = _tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
@@ -187,8 +187,8 @@ def _widen(ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty,
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         mbarrier.wait(wide_empty.index(w), ((i // 2) & 1) ^ 1)
         start = lo + i * TILE_N
-        widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
-        widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
+        _widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
+        _widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
         # Order the reads before the producer's next copy into the ring buffer, and
         # the stores before the products' reads (both through the async proxy).
         fence_async_shared()
@@ -225,7 +225,7 @@ _E4M3_TO_F16 = gl.constexpr(
 
 
 @gluon.jit
-def _e4m3_bits_to(bits, dtype: gl.constexpr):
+def e4m3_bits_to(bits, dtype: gl.constexpr):
     """uint8 e4m3 codes -> dtype (bf16 or fp16) values, same shape and layout."""
     if dtype == gl.bfloat16:
         wide = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
@@ -245,11 +245,11 @@ def _load_e4m3(src, start, hi, layout: gl.constexpr, dtype: gl.constexpr):
     if start + TILE_N > hi:
         pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
         bits = gl.where((pos < hi)[:, None], bits, gl.zeros_like(bits))
-    return _e4m3_bits_to(bits, dtype)
+    return e4m3_bits_to(bits, dtype)
 
 
 @gluon.jit
-def widen_rows(src, dst, start, hi, layout: gl.constexpr):
+def _widen_rows(src, dst, start, hi, layout: gl.constexpr):
     """dst (16-bit) = src (e4m3), rows at positions >= hi zero."""
     dst.store(_load_e4m3(src, start, hi, layout, dst.dtype))
 

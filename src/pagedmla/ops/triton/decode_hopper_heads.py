@@ -22,11 +22,15 @@ and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded 
 `p_ready` / `p_free` mbarrier pair.
 
 An fp8 cache needs its tiles widened to 16 bits before either product (Hopper's 8-bit
-wgmma takes only K-major operands, and V is not), and the widened copies need room: the
-tiles are 32 positions. A widening warpgroup replaces the producer: it copies e4m3
-tiles into a ring of two (18 KB each), widens each into one of three 16-bit buffers
-(36 KB each, rows past the slice end zeroed) and refills the ring buffer it just read.
-q 72 KB + 36 + 108 + P 4 KB = 220 KB.
+wgmma takes only K-major operands, and V is not). There is no room for an e4m3 staging
+ring beside the 16-bit one, so a widening warpgroup replaces the producer and fills the
+same ring of two 64-position 16-bit tiles from registers:
+* it loads tile i's e4m3 rows from global memory (16 bytes per load, rows found
+  through the block table, rows past the slice end read as zero);
+* it waits for the ring buffer, widens the codes and stores them;
+* it asks L2 (`cp.async.bulk.prefetch`) for the tile FP8_PREFETCH ahead, so that those
+  loads hit L2 rather than HBM.
+The score and output warpgroups are the 16-bit kernel's, unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -48,20 +51,18 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
     allocate_ring,
+    e4m3_bits_to,
     load_q,
     page_descriptors,
     produce_tiles,
     program_slice,
-    tile_row,
-    widen_rows,
     zero_tail,
 )
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
-FP8_BLOCK_N = 32  # positions per fp8 tile (room for the widened copies)
-FP8_STAGES = 2  # e4m3 ring buffers
-FP8_WIDE = 3  # 16-bit buffers the products read
+FP8_PAGE_ROWS = 32  # fp8 pages are a multiple of this: the L2 requests' rows
+FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
 FP8_WORKER_REGS = gl.constexpr(96)
@@ -71,59 +72,81 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
     checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and pages the copy
-    engine can read in whole tiles (64 rows, fp8 32)."""
-    block_n = FP8_BLOCK_N if data.dtype == FP8_DTYPE else BLOCK_N
+    engine can read in whole tiles (64 rows; fp8: 32-row halves, read by the widener)."""
+    block_n = FP8_PAGE_ROWS if data.dtype == FP8_DTYPE else BLOCK_N
     return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
             and q.dtype in (torch.bfloat16, torch.float16)
             and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, block_n))
 
 
 @gluon.jit
-def _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, bar, slot, row):
-    """Bulk-copy the e4m3 tile at cache row `row` into ring buffer `slot`."""
-    HALF_L: gl.constexpr = ring_a.type.shape[2]
-    nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
-    mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(latent_desc, [row, 0], bar, ring_a.index(slot))
-    tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar, ring_b.index(slot))
-    tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar, ring_r.index(slot))
+def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
+                TILE_N: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
+                layout: gl.constexpr):
+    """e4m3 codes (uint8) of cache rows [start, start + TILE_N), columns [COL0, COL0 +
+    WIDTH), each row found through the block table; rows at positions >= hi read as 0
+    (their slots may hold NaN)."""
+    pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
+    ok = pos < hi
+    page = gl.load(table_row + pos // PAGE, mask=ok, other=0)
+    row = page.to(gl.int64) * PAGE + pos % PAGE
+    cols = COL0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
+    return gl.load(data_ptr + row[:, None] * stride_row + cols[None, :], mask=ok[:, None],
+                   other=0)
 
 
 @gluon.jit
-def _widen_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, wide_a, wide_b,
-                 wide_r, wide_ready, wide_empty, table_row, lo, hi, num_tiles,
-                 PAGE: gl.constexpr):
-    """Widening warpgroup (fp8 cache), which is also the producer: tile i is copied into
-    ring buffer i % STAGES, widened into wide buffer i % WIDE (rows at positions >= hi
-    zero), and the ring buffer is refilled with tile i + STAGES at once (its block-table
-    entry is loaded before the waits)."""
+def _prefetch_tile(data_ptr, table_row, stride_row, start, hi, TILE_N: gl.constexpr,
+                   PAGE: gl.constexpr):
+    """Ask L2 for the cache rows of the tile at `start`, one bulk request per 32-row half
+    inside a page (lane 0 of each warp issues it; a hint, never needed for
+    correctness)."""
+    for h in gl.static_range(TILE_N // 32):
+        pos = start + 32 * h
+        if pos < hi:
+            row = gl.load(table_row + pos // PAGE).to(gl.int64) * PAGE + pos % PAGE
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], 18432; mov.u32 $0, 0; }",
+                "=r,l", [data_ptr + row * stride_row], dtype=gl.int32, is_pure=False,
+                pack=1)
+
+
+@gluon.jit
+def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty, lo, hi,
+           num_tiles, PAGE: gl.constexpr):
+    """Widening warpgroup (fp8 cache), also the producer: tile i's e4m3 rows are loaded
+    into registers before ring buffer i % STAGES is free, then widened into it (rows at
+    positions >= hi zero). L2 is asked for tile i + FP8_PREFETCH first. The requests
+    cover 18432 bytes = 32 rows of L + R = 576 codes."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    R: gl.constexpr = ring_r.type.shape[2]
     STAGES: gl.constexpr = ring_a.type.shape[0]
-    WIDE: gl.constexpr = wide_a.type.shape[0]
-    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    last = lo + (num_tiles - 1) * TILE_N
-    for k in gl.static_range(STAGES):
-        if k < num_tiles:
-            _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(k), k,
-                       tile_row(table_row, lo + k * TILE_N, PAGE))
+    # 16 codes (one 16-byte load) per thread and row.
+    latent: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
+    rope: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    for k in gl.static_range(1, FP8_PREFETCH):
+        _prefetch_tile(data_ptr, table_row, stride_row, lo + k * TILE_N, hi, TILE_N, PAGE)
     for i in range(num_tiles):
         slot = i % STAGES
-        w = i % WIDE
         start = lo + i * TILE_N
-        row_next = tile_row(table_row, gl.minimum(start + STAGES * TILE_N, last), PAGE)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        _prefetch_tile(data_ptr, table_row, stride_row, start + FP8_PREFETCH * TILE_N, hi,
+                       TILE_N, PAGE)
+        codes_a = _load_codes(data_ptr, table_row, stride_row, start, hi, 0, TILE_N, HALF_L,
+                              PAGE, latent)
+        codes_b = _load_codes(data_ptr, table_row, stride_row, start, hi, HALF_L, TILE_N,
+                              HALF_L, PAGE, latent)
+        codes_r = _load_codes(data_ptr, table_row, stride_row, start, hi, 2 * HALF_L,
+                              TILE_N, R, PAGE, rope)
         # A fresh mbarrier counts as having completed the phase before phase 0.
-        mbarrier.wait(wide_empty.index(w), ((i // WIDE) & 1) ^ 1)
-        widen_rows(ring_a.index(slot), wide_a.index(w), start, hi, rows)
-        widen_rows(ring_b.index(slot), wide_b.index(w), start, hi, rows)
-        widen_rows(ring_r.index(slot), wide_r.index(w), start, hi, rows)
-        # Order the reads before the copy into the ring buffer, and the stores before
-        # the products' reads (both through the async proxy).
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype))
+        ring_b.index(slot).store(e4m3_bits_to(codes_b, ring_a.dtype))
+        ring_r.index(slot).store(e4m3_bits_to(codes_r, ring_a.dtype))
+        # Order the stores before the products' reads (through the async proxy).
         fence_async_shared()
-        mbarrier.arrive(wide_ready.index(w), count=1)
-        if i + STAGES < num_tiles:
-            _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(slot),
-                       slot, row_next)
+        mbarrier.arrive(ready.index(slot), count=1)
 
 
 @gluon.jit
@@ -213,25 +236,27 @@ def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_fre
 
 @gluon.jit
 def _decode_heads_kernel(
-    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
+    q_ptr, latent_desc, rope_desc, codes_ptr, scale_ptr, block_table_ptr, seq_lens_ptr,
     query_start_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh,
+    stride_cp,
     stride_bt,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh, stride_ls,
     num_heads, num_splits, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    MIN_CHUNK: gl.constexpr, CHUNK_ALIGN: gl.constexpr, STAGES: gl.constexpr,
-    WIDE: gl.constexpr, IS_FP8: gl.constexpr, DIRECT: gl.constexpr,
+    TILE_N: gl.constexpr, MIN_CHUNK: gl.constexpr, CHUNK_ALIGN: gl.constexpr,
+    STAGES: gl.constexpr, IS_FP8: gl.constexpr, DIRECT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """One (head group of BLOCK_H rows, split, request), as
-    `decode._decode_partial_kernel`, with the tiles copied through latent_desc
-    ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache viewed as
-    [pages x PAGE, L + R] rows. Splits are whole CHUNK_ALIGN positions (the combine's
-    alignment, a multiple of TILE_N). num_warps = 8: the two output warpgroups."""
-    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
-    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    `decode._decode_partial_kernel`. A 16-bit cache's tiles are copied through
+    latent_desc ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache
+    viewed as [pages x PAGE, L + R] rows; an fp8 cache is read as uint8 codes through
+    codes_ptr (row stride stride_cp), the descriptors None. Splits are whole CHUNK_ALIGN
+    positions (the combine's alignment, a multiple of TILE_N). num_warps = 8: the two
+    output warpgroups."""
+    HALF_L: gl.constexpr = L // 2
     group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
         seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK,
         CHUNK_ALIGN, TILE_N)
@@ -243,26 +268,28 @@ def _decode_heads_kernel(
         instr_shape=[16, HALF_L // (num_warps // 4), 16])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES, 1)
+    if IS_FP8:  # a ring of 16-bit tiles, filled by the widening warpgroup
+        ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HALF_L],
+                                                                         compute)
+        ring_a = gl.allocate_shared_memory(compute, [STAGES, TILE_N, HALF_L], ring_layout)
+        ring_b = gl.allocate_shared_memory(compute, [STAGES, TILE_N, HALF_L], ring_layout)
+        ring_r = gl.allocate_shared_memory(
+            compute, [STAGES, TILE_N, R], gl.NVMMASharedLayout.get_default_for([TILE_N, R],
+                                                                                compute))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(STAGES):
+            mbarrier.init(ready.index(k), count=1)
+            mbarrier.init(empty.index(k), count=1)
+    else:
+        ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES,
+                                                             1)
     handoff = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     p_ready = handoff.index(0)  # P and alpha of the next tile are written
     p_free = handoff.index(1)  # the output warpgroups are done with them
     done = handoff.index(2)  # the final m and l are in m_smem / l_smem
     for k in gl.static_range(3):
         mbarrier.init(handoff.index(k), count=1)
-    if IS_FP8:  # the 16-bit copies the products read
-        wide_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HALF_L],
-                                                                         compute)
-        wide_a = gl.allocate_shared_memory(compute, [WIDE, TILE_N, HALF_L], wide_layout)
-        wide_b = gl.allocate_shared_memory(compute, [WIDE, TILE_N, HALF_L], wide_layout)
-        wide_r = gl.allocate_shared_memory(
-            compute, [WIDE, TILE_N, R], gl.NVMMASharedLayout.get_default_for([TILE_N, R],
-                                                                              compute))
-        wide_ready = gl.allocate_shared_memory(gl.int64, [WIDE, 1], mbarrier.MBarrierLayout())
-        wide_empty = gl.allocate_shared_memory(gl.int64, [WIDE, 1], mbarrier.MBarrierLayout())
-        for k in gl.static_range(WIDE):
-            mbarrier.init(wide_ready.index(k), count=1)
-            mbarrier.init(wide_empty.index(k), count=1)
 
     q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
@@ -286,14 +313,13 @@ def _decode_heads_kernel(
     # the constexpr layouts into tensors.)
     if IS_FP8:
         acc_a, acc_b = gl.warp_specialize([
-            (_accumulate, (wide_a, wide_b, wide_ready, wide_empty, p_smem, alpha_smem,
-                           p_ready, p_free, num_tiles, mma)),
-            (_score, (wide_a, wide_b, wide_r, wide_ready, q_a, q_b, q_r, p_smem, alpha_smem,
+            (_accumulate, (ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_free,
+                           num_tiles, mma)),
+            (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
                       q_len, num_heads, group, qk_scale, False)),
-            (_widen_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, wide_a,
-                            wide_b, wide_r, wide_ready, wide_empty, table_row, lo, hi,
-                            num_tiles, PAGE)),
+            (_widen, (codes_ptr, table_row, stride_cp, ring_a, ring_b, ring_r, ready, empty,
+                      lo, hi, num_tiles, PAGE)),
         ], [4, 4], [FP8_WORKER_REGS, FP8_WORKER_REGS])
     else:
         acc_a, acc_b = gl.warp_specialize([
@@ -346,12 +372,13 @@ def decode_partial(
     [] float32); part_out / part_lse as in `decode.mla_decode` (the final out [T, N, L]
     and lse [N, T] when `direct`)."""
     is_fp8 = data.dtype == FP8_DTYPE
-    latent_desc, rope_desc = page_descriptors(data, L, FP8_BLOCK_N if is_fp8 else BLOCK_N)
+    latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
     _decode_heads_kernel[(head_groups, num_splits, seq_lens.shape[0])](
-        q, latent_desc, rope_desc, scale, block_table, seq_lens, query_start_loc, part_out,
-        part_lse, q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
-        q.shape[1], num_splits, float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
-        CHUNK_ALIGN=BLOCK_N, STAGES=FP8_STAGES if is_fp8 else STAGES,
-        WIDE=FP8_WIDE if is_fp8 else 1, IS_FP8=is_fp8, DIRECT=direct, num_warps=8,
+        q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
+        block_table, seq_lens, query_start_loc, part_out, part_lse,
+        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0), *o_strides,
+        *l_strides, q.shape[1], num_splits, float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
+        MIN_CHUNK=min_chunk, CHUNK_ALIGN=BLOCK_N, STAGES=STAGES, IS_FP8=is_fp8,
+        DIRECT=direct, num_warps=8,
     )
