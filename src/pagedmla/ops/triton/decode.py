@@ -110,8 +110,9 @@ class DecodeConfig:
 #   B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 -> 266 us. rows32 and
 #   rows64 (`decode_hopper_heads`, 64 rows per program, so 32 rows pad to 64): N = 128,
 #   B = 64 x 4k 250 -> 146 us (501 TFLOP/s), B = 128 x 8k 1010 -> 544 us; N = 32, B =
-#   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (32-position
-#   tiles) N = 128, B = 64 x 4k 337 -> 230 us, N = 32 683 -> 437 us.
+#   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (rows widened
+#   from registers into 64-position tiles) N = 128, B = 64 x 4k 337 -> 207 us, N = 32
+#   683 -> 393 us.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
     "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),

@@ -154,8 +154,8 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
            l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len, num_heads, group,
            qk_scale, ZERO_TAIL: gl.constexpr):
     """Score warpgroup: S = Q K^T per tile, online softmax (base 2), P and alpha to the
-    output warpgroups. Tile i is in buffer i % NBUF of ring_a / ring_b / ring_r (the
-    copies, or with fp8 the widened copies), signalled by `ready`. ZERO_TAIL: the
+    output warpgroups. Tile i is in buffer i % NBUF of ring_a / ring_b / ring_r (copied
+    there, or with fp8 widened into it), signalled by `ready`. ZERO_TAIL: the
     slice's last, partial tile is zeroed in place first (its slots past seq_len may hold
     NaN, and the output warpgroups read it as V; the fp8 widener zeroes them itself).
     At the end the running max and sum go to m_smem and l_smem."""
