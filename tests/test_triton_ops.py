@@ -784,6 +784,28 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
 
 
 @pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_decode_gpu_hopper_padded_rows(cache: str, num_heads: int) -> None:
+    # The Gluon kernels on a cache whose rows are padded to 640 columns, NaN in the
+    # padding: the bulk copies (16-bit) and the fp8 widener's row loads follow the row
+    # stride. 16 heads: the 16-row kernel; 128: the 64-row one.
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
+
+    cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
+    args = list(_decode_case([1] * 4, [1, 65, 1000, 4097], num_heads, 512, 64, 64,
+                             torch.bfloat16, cache_dtype, seed=990 + num_heads))
+    data = args[1]
+    wide = torch.full((*data.shape[:2], 640), math.nan, device="cuda").to(cache_dtype)
+    wide[..., :data.shape[2]] = data
+    args[1] = wide[..., :data.shape[2]]
+    kernel = decode_hopper if num_heads == 16 else decode_hopper_heads
+    assert hopper_kernel(args[0], args[1], num_heads, 512) is kernel
+    _check_hopper_decode(tuple(args), num_heads, cache == "fp8", None)
+
+
+@pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize(("qk", "dv"), [(192, 128), (256, 256), (128, 128)])
 @pytest.mark.parametrize("num_heads", [16, 128])
