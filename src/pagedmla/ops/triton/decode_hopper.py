@@ -97,19 +97,16 @@ def program_slice(seq_lens_ptr, query_start_ptr, num_heads, num_splits,
 
 
 @gluon.jit
-def allocate_ring(latent_desc, rope_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
-    """The ring of tile buffers in the copies' layouts, latent halves [STAGES, TILE_N,
-    L / 2] x 2 and rope [STAGES, TILE_N, R], with a `ready` mbarrier per buffer (the
-    copy's) and an `empty` one (EMPTY_ARRIVALS readers let go of it)."""
-    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
-    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
-    R: gl.constexpr = rope_desc.block_type.shape[1]
-    ring_a = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_b = gl.allocate_shared_memory(latent_desc.dtype, [STAGES, TILE_N, HALF_L],
-                                       latent_desc.layout)
-    ring_r = gl.allocate_shared_memory(rope_desc.dtype, [STAGES, TILE_N, R],
-                                       rope_desc.layout)
+def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout: gl.constexpr,
+                  STAGES: gl.constexpr, TILE_N: gl.constexpr, HALF_L: gl.constexpr,
+                  R: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """The ring of tile buffers, latent halves [STAGES, TILE_N, L / 2] x 2 and rope
+    [STAGES, TILE_N, R] of dtype in the given layouts (the copies', or 16-bit ones an
+    fp8 widener fills), with a `ready` mbarrier per buffer (the filler's) and an `empty`
+    one (EMPTY_ARRIVALS readers let go of it)."""
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HALF_L], latent_layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HALF_L], latent_layout)
+    ring_r = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, R], rope_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(STAGES):
@@ -373,8 +370,11 @@ def _decode_partial_ws_kernel(
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     # fp8: a ring buffer is free once both the widener and the consumer read it.
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES,
-                                                         2 if IS_FP8 else 1)
+    latent_layout: gl.constexpr = latent_desc.layout
+    rope_layout: gl.constexpr = rope_desc.layout
+    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
+        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R,
+        2 if IS_FP8 else 1)
     q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
     p_smem = gl.allocate_shared_memory(

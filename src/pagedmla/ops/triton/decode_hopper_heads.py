@@ -61,7 +61,7 @@ from pagedmla.ops.triton.decode_hopper import (
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
-FP8_PAGE_ROWS = 32  # fp8 pages are a multiple of this: the L2 requests' rows
+FP8_PAGE_ROWS = gl.constexpr(32)  # fp8 pages are a multiple of this: the L2 requests' rows
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
@@ -73,7 +73,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and pages the copy
     engine can read in whole tiles (64 rows; fp8: 32-row halves, read by the widener)."""
-    block_n = FP8_PAGE_ROWS if data.dtype == FP8_DTYPE else BLOCK_N
+    block_n = FP8_PAGE_ROWS.value if data.dtype == FP8_DTYPE else BLOCK_N
     return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
             and q.dtype in (torch.bfloat16, torch.float16)
             and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, block_n))
@@ -98,11 +98,12 @@ def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
 @gluon.jit
 def _prefetch_tile(data_ptr, table_row, stride_row, start, hi, TILE_N: gl.constexpr,
                    PAGE: gl.constexpr):
-    """Ask L2 for the cache rows of the tile at `start`, one bulk request per 32-row half
-    inside a page (lane 0 of each warp issues it; a hint, never needed for
-    correctness)."""
-    for h in gl.static_range(TILE_N // 32):
-        pos = start + 32 * h
+    """Ask L2 for the cache rows of the tile at `start`, one bulk request per
+    FP8_PAGE_ROWS-row half inside a page (lane 0 of each warp issues it; a hint, never
+    needed for correctness). The request size in the instruction, 18432 bytes, is 32
+    rows of L + R = 576 codes."""
+    for h in gl.static_range(TILE_N // FP8_PAGE_ROWS):
+        pos = start + FP8_PAGE_ROWS * h
         if pos < hi:
             row = gl.load(table_row + pos // PAGE).to(gl.int64) * PAGE + pos % PAGE
             gl.inline_asm_elementwise(
@@ -117,8 +118,7 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
            num_tiles, PAGE: gl.constexpr):
     """Widening warpgroup (fp8 cache), also the producer: tile i's e4m3 rows are loaded
     into registers before ring buffer i % STAGES is free, then widened into it (rows at
-    positions >= hi zero). L2 is asked for tile i + FP8_PREFETCH first. The requests
-    cover 18432 bytes = 32 rows of L + R = 576 codes."""
+    positions >= hi zero). L2 is asked for tile i + FP8_PREFETCH first."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     HALF_L: gl.constexpr = ring_a.type.shape[2]
     R: gl.constexpr = ring_r.type.shape[2]
@@ -269,21 +269,16 @@ def _decode_heads_kernel(
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     if IS_FP8:  # a ring of 16-bit tiles, filled by the widening warpgroup
-        ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HALF_L],
-                                                                         compute)
-        ring_a = gl.allocate_shared_memory(compute, [STAGES, TILE_N, HALF_L], ring_layout)
-        ring_b = gl.allocate_shared_memory(compute, [STAGES, TILE_N, HALF_L], ring_layout)
-        ring_r = gl.allocate_shared_memory(
-            compute, [STAGES, TILE_N, R], gl.NVMMASharedLayout.get_default_for([TILE_N, R],
-                                                                                compute))
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for k in gl.static_range(STAGES):
-            mbarrier.init(ready.index(k), count=1)
-            mbarrier.init(empty.index(k), count=1)
-    else:
-        ring_a, ring_b, ring_r, ready, empty = allocate_ring(latent_desc, rope_desc, STAGES,
-                                                             1)
+        ring_dtype: gl.constexpr = compute
+        latent_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, HALF_L],
+                                                                           compute)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, R], compute)
+    else:  # the bulk copies' ring
+        ring_dtype: gl.constexpr = latent_desc.dtype
+        latent_layout: gl.constexpr = latent_desc.layout
+        rope_layout: gl.constexpr = rope_desc.layout
+    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
+        ring_dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R, 1)
     handoff = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     p_ready = handoff.index(0)  # P and alpha of the next tile are written
     p_free = handoff.index(1)  # the output warpgroups are done with them
