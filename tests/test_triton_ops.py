@@ -641,12 +641,17 @@ def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
     [
         (torch.bfloat16, torch.bfloat16, 64, 16, 512, "16"),
         (torch.float16, FP8, 128, 1, 512, "16"),
-        (torch.bfloat16, FP8, 32, 16, 512, None),  # 16-row kernel: 64-position tiles
+        (torch.bfloat16, FP8, 32, 16, 512, "16"),  # a tile from two copies of 32 rows
+        (torch.bfloat16, torch.bfloat16, 16, 16, 512, "16"),
+        (torch.bfloat16, torch.bfloat16, 24, 16, 512, "16"),  # copies of 8 rows
+        (torch.bfloat16, torch.bfloat16, 4, 16, 512, None),  # copies under 8 rows
         (torch.bfloat16, torch.bfloat16, 64, 17, 512, "64"),
         (torch.bfloat16, torch.bfloat16, 128, 128, 512, "64"),
-        (torch.bfloat16, FP8, 32, 128, 512, "64"),  # fp8: pages of 32-row halves
-        (torch.bfloat16, torch.bfloat16, 32, 128, 512, None),
-        (torch.bfloat16, FP8, 16, 128, 512, None),
+        (torch.bfloat16, FP8, 32, 128, 512, "64"),
+        (torch.bfloat16, torch.bfloat16, 32, 128, 512, "64"),
+        (torch.bfloat16, torch.bfloat16, 1, 128, 512, None),
+        (torch.bfloat16, FP8, 16, 128, 512, "64"),  # fp8 rows: any page size
+        (torch.bfloat16, FP8, 1, 128, 512, "64"),
         (torch.float16, torch.bfloat16, 64, 128, 512, None),  # cache dtype != q dtype
         (torch.float32, torch.float32, 64, 128, 512, None),
         (torch.bfloat16, torch.bfloat16, 64, 128, 256, None),  # not DeepSeek widths
@@ -670,14 +675,15 @@ def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: in
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 48, 64, 128])
 @pytest.mark.parametrize(("q_lens", "num_heads"),
                          [([1] * 6, 16), ([2, 1, 2, 1, 2, 2], 8), ([4, 1, 3, 4, 2, 4], 4),
                           ([1] * 6, 1)], ids=["q1-N16", "q2-N8", "q4-N4", "q1-N1"])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int],
                                   num_heads: int, num_splits: int | None) -> None:
-    # The warp-specialized kernel (<= 16 query rows, 64-row tiles inside a page):
+    # The warp-specialized kernel (<= 16 query rows, 64-row tiles; pages of fewer than
+    # 64 rows fill a tile with several copies: 8 rows per copy at page 8, 16 at 48):
     # lengths of one tile exactly, one past it, partial last tiles (NaN slots after
     # them), multi-token rows; direct output, forced splits and the planner's. It must
     # match the reference and the Triton kernel of the same config.
@@ -707,7 +713,7 @@ def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
 @pytest.mark.parametrize(("q_lens", "num_heads"),
                          [([1] * 5, 128), ([1] * 5, 64), ([2, 1, 2, 2, 1], 64),
                           ([1] * 5, 40), ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 16)],
@@ -732,7 +738,7 @@ def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
 
 @pytest.mark.cuda
 @hopper
-@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize("block_size", [1, 16, 32, 48, 128])
 @pytest.mark.parametrize(("q_lens", "num_heads"),
                          [([1] * 5, 128), ([2, 1, 2, 2, 1], 64), ([1] * 5, 40),
                           ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 16)],
@@ -742,7 +748,8 @@ def test_decode_gpu_hopper_heads_kernel_fp8(block_size: int, q_lens: list[int],
                                             num_heads: int, num_splits: int | None) -> None:
     # The 64-row kernel with an fp8 cache: rows loaded through the block table and
     # widened by the producer warpgroup (rows past the slice end zeroed there, NaN
-    # slots after them), pages of 32 and 128 tokens (a tile spans two pages of 32).
+    # slots after them), any page size: 1 and 16 (several pages per tile, L2 requests
+    # of 16 rows or none), 32 and 48 (tiles across pages), 128.
     from pagedmla.ops.triton import decode_hopper_heads
 
     seq_lens = [max(q_lens), 33, 64, 1000, 4097]
@@ -781,6 +788,25 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
     out = mla_decode(*args)[0]
     want = row[:L].float().cuda().expand(num_heads, L)
     assert torch.equal(out[0].float(), want)
+
+
+@pytest.mark.cuda
+@hopper
+def test_decode_gpu_hopper_heads_fp8_scattered_pages() -> None:
+    # The fp8 64-row kernel on every other block of a bigger cache (NaN in the blocks
+    # between): pages not adjacent in rows, which the 16-bit path's bulk copies cannot
+    # take; the fp8 widener addresses each page through its stride.
+    from pagedmla.ops.triton import decode_hopper_heads
+
+    args = list(_decode_case([1] * 4, [1, 65, 1000, 4097], 128, 512, 64, 16, torch.bfloat16,
+                             FP8, seed=995))
+    data = args[1]
+    spread = torch.full((2 * data.shape[0], *data.shape[1:]), math.nan, device="cuda")
+    spread = spread.to(FP8)
+    spread[::2] = data
+    args[1] = spread[::2]
+    assert hopper_kernel(args[0], args[1], 128, 512) is decode_hopper_heads
+    _check_hopper_decode(tuple(args), 128, True, None)
 
 
 @pytest.mark.cuda

@@ -20,8 +20,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3")
     parser.add_argument("--block-size", type=int, default=64,
-                        help="tokens per cache page (multiples of 64 get the Triton decode's "
-                        "bulk tile copies)")
+                        help="tokens per cache page (on Hopper, multiples of 8 get the Gluon "
+                        "decode kernels' bulk tile copies)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=None)

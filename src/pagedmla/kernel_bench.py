@@ -324,8 +324,8 @@ def check_graph_replay() -> list[str]:
 
 
 def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
-    """Decode shapes on 64-token pages (bulk tile copies), plus 16-token pages (row
-    gather) for comparison."""
+    """Decode shapes on 64-token pages (one bulk copy per tile), plus 16-token pages
+    (four copies per tile on Hopper) for comparison."""
     shapes = [  # (batch, heads, context, q_len, regime, page size)
         (64, 16, 2048, 1, "memory", 64), (64, 16, 8192, 1, "memory", 64),
         (128, 16, 8192, 1, "memory", 64), (256, 16, 4096, 1, "memory", 64),

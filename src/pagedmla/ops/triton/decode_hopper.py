@@ -2,7 +2,7 @@
 
 Same contract as `decode._decode_partial_kernel` (one program per head group, split and
 request; final output or float32 partials plus lse), for the memory-bound regime: at
-most BLOCK_H = 16 query rows per request, page size a multiple of 64, 64-row tiles.
+most BLOCK_H = 16 query rows per request, page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
 instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits
@@ -31,6 +31,7 @@ for the compute-bound regime).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from triton.experimental import gluon
@@ -48,6 +49,7 @@ from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
+MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
 BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB for bf16; fp8 adds two 64 KB wide buffers)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
@@ -58,16 +60,25 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
     checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a 16-bit cache of
     q's dtype or fp8, at most BLOCK_H query rows per request, and pages the copy engine
-    can read in whole 64-row tiles."""
+    can read (`pages_copyable`)."""
     return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
             and q.dtype in (torch.bfloat16, torch.float16)
-            and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, BLOCK_N))
+            and data.dtype in (q.dtype, FP8_DTYPE) and pages_copyable(data))
 
 
-@gluon.jit
-def _tile_row(table_row, start, PAGE: gl.constexpr):
-    """Cache row of position `start` (int32: the cache holds fewer than 2**31 rows)."""
-    return gl.load(table_row + start // PAGE) * PAGE + start % PAGE
+def copy_rows(page: int) -> int:
+    """Rows per bulk copy for pages of `page` positions: a 64-position tile is one copy
+    inside a page of a multiple of 64, else gcd(page, 64) rows per copy, each inside
+    its page (a tile of pages of 16 takes four copies)."""
+    return math.gcd(page, BLOCK_N)
+
+
+def pages_copyable(data: torch.Tensor) -> bool:
+    """Whether the copy engine can fill 64-position tiles from the cache `data`: copies
+    of at least MIN_COPY_ROWS rows (pages of a multiple of 8 positions), with the layout
+    `decode.tiles_copyable` asks for."""
+    rows = copy_rows(data.shape[1])
+    return rows >= MIN_COPY_ROWS and tiles_copyable(data, rows)
 
 
 @gluon.jit
@@ -143,31 +154,53 @@ def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
 
 
 @gluon.jit
-def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
-                  lo, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
-    """Producer warp: copy tile i into ring buffer i % STAGES once it is free.
+def _copy_starts(table_row, start, last, hi, COPIES: gl.constexpr, CHUNK: gl.constexpr,
+                 PAGE: gl.constexpr, layout: gl.constexpr):
+    """Cache rows where the COPIES copies of the tile at `start` begin ([COPIES] int32),
+    each copy's position clamped to `last` (the slice's last copy: past it the block
+    table holds no page of this slice). An empty slice reads no table entry (row 0)."""
+    pos = gl.minimum(start + CHUNK * gl.arange(0, COPIES, layout), last)
+    page = gl.load(table_row + pos // PAGE, mask=pos < hi, other=0)
+    return page * PAGE + pos % PAGE
 
-    The block-table entry of the next tile is loaded before waiting for a buffer, so
-    its latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
-    for fp8 at B = 128 x 8k)."""
+
+@gluon.jit
+def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
+                  lo, hi, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: copy tile i into ring buffer i % STAGES once it is free, in
+    TILE_N / CHUNK bulk copies of CHUNK rows (the descriptors' box), each inside a page.
+
+    The block-table entries of the next tile are loaded before waiting for a buffer, so
+    their latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
+    for fp8 at B = 128 x 8k, one copy per tile)."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     HALF_L: gl.constexpr = ring_a.type.shape[2]
-    nbytes: gl.constexpr = 2 * latent_desc.block_type.nbytes + rope_desc.block_type.nbytes
-    last = lo + (num_tiles - 1) * TILE_N
-    row = _tile_row(table_row, gl.minimum(lo, last), PAGE)
+    CHUNK: gl.constexpr = latent_desc.block_type.shape[0]
+    COPIES: gl.constexpr = TILE_N // CHUNK
+    nbytes: gl.constexpr = COPIES * (2 * latent_desc.block_type.nbytes
+                                     + rope_desc.block_type.nbytes)
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    index = gl.arange(0, COPIES, one_warp)
+    last = gl.maximum(hi - 1, 0) // CHUNK * CHUNK
+    rows = _copy_starts(table_row, lo, last, hi, COPIES, CHUNK, PAGE, one_warp)
     for i in range(num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
-        row_next = _tile_row(table_row, gl.minimum(start + TILE_N, last), PAGE)
+        rows_next = _copy_starts(table_row, start + TILE_N, last, hi, COPIES, CHUNK, PAGE,
+                                 one_warp)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(latent_desc, [row, 0], bar, ring_a.index(slot))
-        tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar, ring_b.index(slot))
-        tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar,
-                                        ring_r.index(slot))
-        row = row_next
+        for j in gl.static_range(COPIES):
+            row = gl.sum(gl.where(index == j, rows, 0), 0)
+            tma.async_copy_global_to_shared(latent_desc, [row, 0], bar,
+                                            ring_a.index(slot).slice(j * CHUNK, CHUNK))
+            tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar,
+                                            ring_b.index(slot).slice(j * CHUNK, CHUNK))
+            tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar,
+                                            ring_r.index(slot).slice(j * CHUNK, CHUNK))
+        rows = rows_next
 
 
 @gluon.jit
@@ -351,13 +384,13 @@ def _decode_partial_ws_kernel(
     stride_lt, stride_lh, stride_ls,
     num_heads, num_splits, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
-    DIRECT: gl.constexpr, num_warps: gl.constexpr,
+    TILE_N: gl.constexpr, MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr,
+    IS_FP8: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One (head group, split, request), as `decode._decode_partial_kernel`; the tiles
-    come through latent_desc ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes)
-    over the cache viewed as [pages x PAGE, L + R] rows."""
-    TILE_N: gl.constexpr = latent_desc.block_type.shape[0]
+    """One (head group, split, request), as `decode._decode_partial_kernel`; the
+    TILE_N-position tiles come through latent_desc ([rows, L / 2] boxes) and rope_desc
+    ([rows, R] boxes, rows = `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE,
+    L + R] rows."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
         seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK, TILE_N,
@@ -415,7 +448,7 @@ def _decode_partial_ws_kernel(
                         wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
                         STAGES, IS_FP8, mma, rows)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                             table_row, lo, num_tiles, PAGE, STAGES)),
+                             table_row, lo, hi, num_tiles, PAGE, STAGES)),
             (_widen, (ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty, lo,
                       hi, num_tiles, STAGES)),
         ], [1, 4], [24, 112])
@@ -425,7 +458,7 @@ def _decode_partial_ws_kernel(
                         wide_empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles, limit, qk_scale,
                         STAGES, IS_FP8, mma, rows)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                             table_row, lo, num_tiles, PAGE, STAGES)),
+                             table_row, lo, hi, num_tiles, PAGE, STAGES)),
         ], [1], [24])
 
     has_key = l_i > 0.0
@@ -457,12 +490,14 @@ def _decode_partial_ws_kernel(
     gl.store(lse_at, lse, mask=r_st < num_rows)
 
 
-def page_descriptors(data: torch.Tensor, L: int, block_n: int = BLOCK_N,
+def page_descriptors(data: torch.Tensor, L: int,
                      ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Bulk-copy descriptors over the cache `data` [num_blocks, page, L + R] viewed as
-    [pages x page, L + R] rows: [block_n, L / 2] boxes for the latent halves and
-    [block_n, R] boxes for the rope part, in the swizzled layouts wgmma reads."""
+    [pages x page, L + R] rows: [rows, L / 2] boxes for the latent halves and [rows, R]
+    boxes for the rope part, rows = `copy_rows(page)`, in the swizzled layouts wgmma
+    reads (the same for any number of rows: tiles are assembled from the boxes)."""
     num_blocks, page, width = data.shape
+    block_n = copy_rows(page)
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
     latent_layout, rope_layout = _tile_layouts(data.dtype, block_n, L, width - L)
@@ -496,7 +531,7 @@ def decode_partial(
         part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
         q.shape[1], num_splits, float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, MIN_CHUNK=min_chunk,
-        STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, DIRECT=direct,
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
+        MIN_CHUNK=min_chunk, STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, DIRECT=direct,
         num_warps=4,
     )

@@ -3,7 +3,7 @@
 Same contract as `decode._decode_partial_kernel` (one program per head group, split and
 request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
-data-parallel attention), page size a multiple of 64 (16-bit cache) or 32 (fp8).
+data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8).
 
 With 64 query rows the products are the direct ones, S = Q K^T [64, 64] over all L + R
 columns and O += P V [64, L], and they do not fit one warpgroup: O alone is 128 KB of
@@ -35,6 +35,8 @@ The score and output warpgroups are the 16-bit kernel's, unchanged.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -46,7 +48,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from pagedmla.cache import FP8_DTYPE
-from pagedmla.ops.triton.decode import tiles_copyable
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
@@ -54,6 +55,7 @@ from pagedmla.ops.triton.decode_hopper import (
     e4m3_bits_to,
     load_q,
     page_descriptors,
+    pages_copyable,
     produce_tiles,
     program_slice,
     zero_tail,
@@ -61,7 +63,6 @@ from pagedmla.ops.triton.decode_hopper import (
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
-FP8_PAGE_ROWS = gl.constexpr(32)  # fp8 pages are a multiple of this: the L2 requests' rows
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
@@ -71,25 +72,45 @@ FP8_WORKER_REGS = gl.constexpr(96)
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
     """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
     checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
-    request, a bf16/fp16 q with a cache of the same dtype or fp8, and pages the copy
-    engine can read in whole tiles (64 rows; fp8: 32-row halves, read by the widener)."""
-    block_n = FP8_PAGE_ROWS.value if data.dtype == FP8_DTYPE else BLOCK_N
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
+    request, a bf16/fp16 q with a cache of the same dtype or fp8, and a cache layout the
+    tiles can come from: pages the copy engine reads (16-bit,
+    `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
+    and rows (the widener loads rows of 16-byte vectors)."""
+    if not (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
             and q.dtype in (torch.bfloat16, torch.float16)
-            and data.dtype in (q.dtype, FP8_DTYPE) and tiles_copyable(data, block_n))
+            and data.dtype in (q.dtype, FP8_DTYPE)):
+        return False
+    if data.dtype != FP8_DTYPE:
+        return pages_copyable(data)
+    return (data.stride(-1) == 1 and data.stride(1) > 0 and data.stride(1) % 16 == 0
+            and data.stride(0) % data.stride(1) == 0 and data.data_ptr() % 16 == 0)
+
+
+def _prefetch_rows(page: int) -> int:
+    """Rows per L2 request of the fp8 widener: the largest power of two up to 32 that
+    divides the page (a request stays inside its page), 0 (none) below 8 rows."""
+    rows = math.gcd(page, 32)
+    return rows if rows >= 8 else 0
+
+
+@gluon.jit
+def _cache_row(page, pos, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr):
+    """Row (int64, in units of the row stride) of position `pos`'s slot in `page` (its
+    block-table entry), pages PAGE_ROWS rows apart (PAGE where they are adjacent)."""
+    return page.to(gl.int64) * PAGE_ROWS + pos % PAGE
 
 
 @gluon.jit
 def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
                 TILE_N: gl.constexpr, WIDTH: gl.constexpr, PAGE: gl.constexpr,
-                layout: gl.constexpr):
+                PAGE_ROWS: gl.constexpr, layout: gl.constexpr):
     """e4m3 codes (uint8) of cache rows [start, start + TILE_N), columns [COL0, COL0 +
     WIDTH), each row found through the block table; rows at positions >= hi read as 0
     (their slots may hold NaN)."""
     pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
     ok = pos < hi
     page = gl.load(table_row + pos // PAGE, mask=ok, other=0)
-    row = page.to(gl.int64) * PAGE + pos % PAGE
+    row = _cache_row(page, pos, PAGE, PAGE_ROWS)
     cols = COL0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
     return gl.load(data_ptr + row[:, None] * stride_row + cols[None, :], mask=ok[:, None],
                    other=0)
@@ -97,25 +118,26 @@ def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
 
 @gluon.jit
 def _prefetch_tile(data_ptr, table_row, stride_row, start, hi, TILE_N: gl.constexpr,
-                   PAGE: gl.constexpr):
-    """Ask L2 for the cache rows of the tile at `start`, one bulk request per
-    FP8_PAGE_ROWS-row half inside a page (lane 0 of each warp issues it; a hint, never
-    needed for correctness). The request size in the instruction, 18432 bytes, is 32
-    rows of L + R = 576 codes."""
-    for h in gl.static_range(TILE_N // FP8_PAGE_ROWS):
-        pos = start + FP8_PAGE_ROWS * h
-        if pos < hi:
-            row = gl.load(table_row + pos // PAGE).to(gl.int64) * PAGE + pos % PAGE
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], 18432; mov.u32 $0, 0; }",
-                "=r,l", [data_ptr + row * stride_row], dtype=gl.int32, is_pure=False,
-                pack=1)
+                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr):
+    """Ask L2 for the cache rows of the tile at `start`, one bulk request per PF_ROWS
+    rows (a power of two dividing the page, 8 to 32: a request never leaves its page;
+    0: no requests). Lane 0 of each warp issues them; a hint, never needed for
+    correctness. A request covers PF_ROWS rows of L + R = 576 codes."""
+    if PF_ROWS > 0:
+        for h in gl.static_range(TILE_N // PF_ROWS):
+            pos = start + PF_ROWS * h
+            if pos < hi:
+                row = _cache_row(gl.load(table_row + pos // PAGE), pos, PAGE, PAGE_ROWS)
+                gl.inline_asm_elementwise(
+                    "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                    "=r,l,r", [data_ptr + row * stride_row, gl.to_tensor(PF_ROWS * 576)],
+                    dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty, lo, hi,
-           num_tiles, PAGE: gl.constexpr):
+           num_tiles, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr):
     """Widening warpgroup (fp8 cache), also the producer: tile i's e4m3 rows are loaded
     into registers before ring buffer i % STAGES is free, then widened into it (rows at
     positions >= hi zero). L2 is asked for tile i + FP8_PREFETCH first."""
@@ -127,18 +149,19 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
     latent: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
     rope: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     for k in gl.static_range(1, FP8_PREFETCH):
-        _prefetch_tile(data_ptr, table_row, stride_row, lo + k * TILE_N, hi, TILE_N, PAGE)
+        _prefetch_tile(data_ptr, table_row, stride_row, lo + k * TILE_N, hi, TILE_N, PAGE,
+                       PAGE_ROWS, PF_ROWS)
     for i in range(num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
         _prefetch_tile(data_ptr, table_row, stride_row, start + FP8_PREFETCH * TILE_N, hi,
-                       TILE_N, PAGE)
+                       TILE_N, PAGE, PAGE_ROWS, PF_ROWS)
         codes_a = _load_codes(data_ptr, table_row, stride_row, start, hi, 0, TILE_N, HALF_L,
-                              PAGE, latent)
+                              PAGE, PAGE_ROWS, latent)
         codes_b = _load_codes(data_ptr, table_row, stride_row, start, hi, HALF_L, TILE_N,
-                              HALF_L, PAGE, latent)
-        codes_r = _load_codes(data_ptr, table_row, stride_row, start, hi, 2 * HALF_L,
-                              TILE_N, R, PAGE, rope)
+                              HALF_L, PAGE, PAGE_ROWS, latent)
+        codes_r = _load_codes(data_ptr, table_row, stride_row, start, hi, 2 * HALF_L, TILE_N,
+                              R, PAGE, PAGE_ROWS, rope)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype))
@@ -246,14 +269,16 @@ def _decode_heads_kernel(
     num_heads, num_splits, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, MIN_CHUNK: gl.constexpr, CHUNK_ALIGN: gl.constexpr,
-    STAGES: gl.constexpr, IS_FP8: gl.constexpr, DIRECT: gl.constexpr,
+    STAGES: gl.constexpr, IS_FP8: gl.constexpr, PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr,
+    DIRECT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """One (head group of BLOCK_H rows, split, request), as
     `decode._decode_partial_kernel`. A 16-bit cache's tiles are copied through
     latent_desc ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache
     viewed as [pages x PAGE, L + R] rows; an fp8 cache is read as uint8 codes through
-    codes_ptr (row stride stride_cp), the descriptors None. Splits are whole CHUNK_ALIGN
+    codes_ptr (row stride stride_cp, pages PAGE_ROWS rows apart), the descriptors None, and
+    PF_ROWS rows per L2 request (`_prefetch_rows`). Splits are whole CHUNK_ALIGN
     positions (the combine's alignment, a multiple of TILE_N). num_warps = 8: the two
     output warpgroups."""
     HALF_L: gl.constexpr = L // 2
@@ -314,7 +339,7 @@ def _decode_heads_kernel(
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
                       q_len, num_heads, group, qk_scale, False)),
             (_widen, (codes_ptr, table_row, stride_cp, ring_a, ring_b, ring_r, ready, empty,
-                      lo, hi, num_tiles, PAGE)),
+                      lo, hi, num_tiles, PAGE, PAGE_ROWS, PF_ROWS)),
         ], [4, 4], [FP8_WORKER_REGS, FP8_WORKER_REGS])
     else:
         acc_a, acc_b = gl.warp_specialize([
@@ -324,7 +349,7 @@ def _decode_heads_kernel(
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
                       q_len, num_heads, group, qk_scale, True)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                             table_row, lo, num_tiles, PAGE, STAGES)),
+                             table_row, lo, hi, num_tiles, PAGE, STAGES)),
         ], [4, 1], [128, 24])
 
     mbarrier.wait(done, 0)
@@ -371,9 +396,10 @@ def decode_partial(
     _decode_heads_kernel[(head_groups, num_splits, seq_lens.shape[0])](
         q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
         block_table, seq_lens, query_start_loc, part_out, part_lse,
-        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0), *o_strides,
-        *l_strides, q.shape[1], num_splits, float(softmax_scale),
+        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
+        *o_strides, *l_strides, q.shape[1], num_splits, float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
         MIN_CHUNK=min_chunk, CHUNK_ALIGN=BLOCK_N, STAGES=STAGES, IS_FP8=is_fp8,
-        DIRECT=direct, num_warps=8,
+        PAGE_ROWS=data.stride(0) // data.stride(1),
+        PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, DIRECT=direct, num_warps=8,
     )
