@@ -490,8 +490,7 @@ def _decode_partial_ws_kernel(
     gl.store(lse_at, lse, mask=r_st < num_rows)
 
 
-def page_descriptors(data: torch.Tensor, L: int,
-                     ) -> tuple[TensorDescriptor, TensorDescriptor]:
+def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Bulk-copy descriptors over the cache `data` [num_blocks, page, L + R] viewed as
     [pages x page, L + R] rows: [rows, L / 2] boxes for the latent halves and [rows, R]
     boxes for the rope part, rows = `copy_rows(page)`, in the swizzled layouts wgmma
