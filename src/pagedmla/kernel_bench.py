@@ -335,6 +335,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
         (64, 128, 4096, 1, "compute", 64), (128, 128, 8192, 1, "compute", 64),
         (64, 16, 8192, 4, "memory", 64), (128, 16, 8192, 1, "memory", 16),
         (128, 32, 8192, 1, "mixed", 64), (128, 64, 8192, 1, "compute", 64),
+        (64, 128, 4096, 1, "compute", 16),
     ]
     if quick:
         shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10, 12)]
