@@ -661,7 +661,8 @@ def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: in
                               num_rows: int, L: int, takes: str | None) -> None:
     # Which Gluon kernel (if any) takes a call on a Hopper GPU, from the shapes alone:
     # the 16-row kernel up to 16 query rows, the 64-row one above; 16-bit q; a cache of
-    # q's dtype or fp8; pages holding whole tiles.
+    # q's dtype or fp8; pages the copies can fill tiles from (a multiple of 8 rows),
+    # except fp8 in the 64-row kernel, whose widener loads rows of any page.
     from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
 
     q = torch.zeros(1, num_rows, L + 64, dtype=q_dtype)
@@ -670,6 +671,44 @@ def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: in
               if m.supported(q, data, num_rows, L)]
     want = {None: [], "16": [decode_hopper], "64": [decode_hopper_heads]}[takes]
     assert chosen == want
+
+
+@pytest.mark.parametrize(
+    ("cache", "layout", "takes"),
+    [
+        (torch.bfloat16, "every-other-block", False),  # the copies need adjacent pages
+        (FP8, "every-other-block", True),  # the widener: pages through their stride
+        (FP8, "padded-rows", True),  # rows 16-byte aligned
+        (FP8, "odd-row-stride", False),  # rows not 16-byte aligned
+        (FP8, "page-stride-off-rows", False),  # pages not a whole number of rows apart
+    ],
+)
+def test_hopper_kernel_choice_layouts(cache: torch.dtype, layout: str, takes: bool) -> None:
+    # Cache views the 64-row kernel takes or refuses (128 query rows, page 16).
+    from pagedmla.ops.triton import decode_hopper_heads
+
+    q = torch.zeros(1, 128, 576, dtype=torch.bfloat16)
+    if layout == "every-other-block":
+        data = torch.zeros(8, 16, 576).to(cache)[::2]
+    elif layout == "padded-rows":
+        data = torch.zeros(4, 16, 592).to(cache)[..., :576]
+    elif layout == "odd-row-stride":
+        data = torch.zeros(4, 16, 584).to(cache)[..., :576]
+    else:
+        data = torch.zeros(4 * 16 * 576 + 4 * 16).to(cache)
+        data = data.as_strided((4, 16, 576), (16 * 576 + 16, 576, 1))
+    assert decode_hopper_heads.supported(q, data, 128, 512) == takes
+
+
+@pytest.mark.parametrize(("page", "rows"), [(1, 0), (4, 0), (8, 8), (12, 0), (16, 16),
+                                            (24, 8), (48, 16), (64, 32), (96, 32),
+                                            (128, 32)])
+def test_fp8_prefetch_rows(page: int, rows: int) -> None:
+    # The fp8 widener's L2 requests: the largest power of two up to 32 dividing the page
+    # (a request stays inside its page), none under 8 rows.
+    from pagedmla.ops.triton.decode_hopper_heads import _prefetch_rows
+
+    assert _prefetch_rows(page) == rows
 
 
 @pytest.mark.cuda
