@@ -118,11 +118,13 @@ def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
 
 @gluon.jit
 def _prefetch_tile(data_ptr, table_row, stride_row, start, hi, TILE_N: gl.constexpr,
-                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr):
+                   WIDTH: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr,
+                   PF_ROWS: gl.constexpr):
     """Ask L2 for the cache rows of the tile at `start`, one bulk request per PF_ROWS
     rows (a power of two dividing the page, 8 to 32: a request never leaves its page;
     0: no requests). Lane 0 of each warp issues them; a hint, never needed for
-    correctness. A request covers PF_ROWS rows of L + R = 576 codes."""
+    correctness. A request spans from its first row to the end of its last row's WIDTH
+    codes (rows stride_row bytes apart, both multiples of 16, as the instruction asks)."""
     if PF_ROWS > 0:
         for h in gl.static_range(TILE_N // PF_ROWS):
             pos = start + PF_ROWS * h
@@ -131,7 +133,7 @@ def _prefetch_tile(data_ptr, table_row, stride_row, start, hi, TILE_N: gl.conste
                 gl.inline_asm_elementwise(
                     "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
                     "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [data_ptr + row * stride_row, gl.to_tensor(PF_ROWS * 576)],
+                    "=r,l,r", [data_ptr + row * stride_row, (PF_ROWS - 1) * stride_row + WIDTH],
                     dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -149,13 +151,13 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
     latent: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [4, 1], [1, 0])
     rope: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     for k in gl.static_range(1, FP8_PREFETCH):
-        _prefetch_tile(data_ptr, table_row, stride_row, lo + k * TILE_N, hi, TILE_N, PAGE,
-                       PAGE_ROWS, PF_ROWS)
+        _prefetch_tile(data_ptr, table_row, stride_row, lo + k * TILE_N, hi, TILE_N,
+                       2 * HALF_L + R, PAGE, PAGE_ROWS, PF_ROWS)
     for i in range(num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
         _prefetch_tile(data_ptr, table_row, stride_row, start + FP8_PREFETCH * TILE_N, hi,
-                       TILE_N, PAGE, PAGE_ROWS, PF_ROWS)
+                       TILE_N, 2 * HALF_L + R, PAGE, PAGE_ROWS, PF_ROWS)
         codes_a = _load_codes(data_ptr, table_row, stride_row, start, hi, 0, TILE_N, HALF_L,
                               PAGE, PAGE_ROWS, latent)
         codes_b = _load_codes(data_ptr, table_row, stride_row, start, hi, HALF_L, TILE_N,
