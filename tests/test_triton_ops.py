@@ -1038,3 +1038,17 @@ def test_layer_gpu_bf16_oracle(cache_dtype: str) -> None:
     out = _run_layer(batch, "triton", decode_threshold=2, workspace_rows=1024)
     assert relative_error(out, batch.oracle(decode_threshold=2)) < 2e-2
     assert batch.cache_mismatches() == 0
+
+
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 8191, 3 * 8192 + 5])
+def test_stream_read_sums_every_element(dtype: torch.dtype, n: int) -> None:
+    # The benchmark's read-ceiling kernel (kernel_bench.stream_read): one partial sum per
+    # run of 8192 elements, the masked tail included, adding up to the tensor's sum.
+    from pagedmla.kernel_bench import stream_read
+
+    x = torch.randn(n, device=DEVICE).to(dtype)
+    parts = stream_read(x)()
+    assert parts.shape == (math.ceil(n / 8192),)
+    assert math.isclose(parts.double().sum().item(), x.double().sum().item(), abs_tol=1e-3)
