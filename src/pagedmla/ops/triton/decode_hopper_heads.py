@@ -17,7 +17,10 @@ float32. The program splits the work by role, as a warp-specialized kernel:
   registers per thread): O_half = alpha O_half + P V_half.
 
 The score warpgroup starts on tile i + 1 while the output warpgroups multiply tile i,
-so the tensor cores always hold both kinds of product. q (72 KB), the ring (2 x 72 KB)
+so the tensor cores always hold both kinds of product. With a 16-bit cache the score
+warpgroup holds q's first latent half in registers as the A operand of S's first
+product: S reads both operands from shared memory otherwise, and at N = 64 that takes
+all of shared memory's bandwidth (session 11: 1-8% faster). q (72 KB), the ring (2 x 72 KB)
 and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded by a
 `p_ready` / `p_free` mbarrier pair.
 
@@ -67,6 +70,10 @@ FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
 FP8_WORKER_REGS = gl.constexpr(96)
+# Registers per thread of the 16-bit kernel's score warpgroup: its S accumulator plus
+# q's first latent half as the first product's register operand (no spills at 152;
+# the output warpgroups keep 168).
+SCORE_REGS = gl.constexpr(152)
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
@@ -177,7 +184,7 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
 @gluon.jit
 def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
            l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len, num_heads, group,
-           qk_scale, ZERO_TAIL: gl.constexpr):
+           qk_scale, q_ptr, q_begin, num_rows, stride_qt, stride_qh, ZERO_TAIL: gl.constexpr):
     """Score warpgroup: S = Q K^T per tile, online softmax (base 2), P and alpha to the
     output warpgroups. Tile i is in buffer i % NBUF of ring_a / ring_b / ring_r (copied
     there, or with fp8 widened into it), signalled by `ready`. ZERO_TAIL: the
@@ -196,6 +203,15 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
     s_init = gl.zeros([ROWS, TILE_N], gl.float32, mma)
+    if ZERO_TAIL:  # 16-bit cache: the first latent half of q from registers
+        a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        HALF_L: gl.constexpr = q_a.type.shape[1]
+        rq = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, a_regs))
+        cq = gl.arange(0, HALF_L, gl.SliceLayout(0, a_regs))
+        q_rows = (q_ptr + (q_begin + rq // num_heads).to(gl.int64) * stride_qt
+                  + (rq % num_heads).to(gl.int64) * stride_qh)
+        q_first = gl.load(q_rows[:, None] + cq[None, :], mask=(rq < num_rows)[:, None],
+                          other=0.0)
     for i in range(num_tiles):
         slot = i % NBUF
         mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
@@ -205,7 +221,11 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
         k_r = ring_r.index(slot)
         if ZERO_TAIL and start + TILE_N > hi:
             zero_tail(k_a, k_b, k_r, start, hi, rows)
-        s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        if ZERO_TAIL:
+            s = warpgroup_mma(q_first, k_a.permute((1, 0)), s_init, use_acc=False,
+                              is_async=True)
+        else:
+            s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -339,7 +359,8 @@ def _decode_heads_kernel(
                            num_tiles, mma)),
             (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
-                      q_len, num_heads, group, qk_scale, False)),
+                      q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
+                      stride_qh, False)),
             (_widen, (codes_ptr, table_row, stride_cp, ring_a, ring_b, ring_r, ready, empty,
                       lo, hi, num_tiles, PAGE, PAGE_ROWS, PF_ROWS)),
         ], [4, 4], [FP8_WORKER_REGS, FP8_WORKER_REGS])
@@ -349,10 +370,11 @@ def _decode_heads_kernel(
                            num_tiles, mma)),
             (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
-                      q_len, num_heads, group, qk_scale, True)),
+                      q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
+                      stride_qh, True)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                              table_row, lo, hi, num_tiles, PAGE, STAGES)),
-        ], [4, 1], [128, 24])
+        ], [4, 1], [SCORE_REGS, 24])
 
     mbarrier.wait(done, 0)
     m_i = m_smem.load(gl.SliceLayout(1, mma))
