@@ -37,3 +37,32 @@ def test_triton_engine_matches_reference(kv_cache_dtype: str) -> None:
             assert ref_step.keys() == our_step.keys()
             tolerance = 1e-4 if kv_cache_dtype == "auto" else 1e-3
             assert max(abs(ref_step[t] - our_step[t]) for t in ref_step) < tolerance
+
+
+def test_decode_split_plan_is_made_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers of one forward share its decode split plan (`MLAMetadata.for_forward`
+    gives each forward an empty store), and every forward makes its own."""
+    from pagedmla.models.deepseek import DeepseekForCausalLM
+    from pagedmla.ops.triton import decode
+
+    forwards: list[int] = [0]
+    planned_in: list[int] = []
+    forward, plan_splits = DeepseekForCausalLM.forward, decode.plan_splits
+
+    def counted_forward(self, *args, **kwargs):
+        forwards[0] += 1
+        return forward(self, *args, **kwargs)
+
+    def counted_plan(*args, **kwargs):
+        planned_in.append(forwards[0])
+        return plan_splits(*args, **kwargs)
+
+    monkeypatch.setattr(DeepseekForCausalLM, "forward", counted_forward)
+    monkeypatch.setattr(decode, "plan_splits", counted_plan)
+    llm = LLM("tiny", dtype=torch.float32, device=DEVICE, backend="triton", block_size=4,
+              num_kv_blocks=64, enforce_eager=True)
+    assert len(llm.model.decoder.layers) > 1
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7], [9, 10, 11, 12, 13]], params, use_tqdm=False)
+    assert len(planned_in) >= 3  # the decode steps
+    assert len(set(planned_in)) == len(planned_in)

@@ -56,6 +56,9 @@ from pagedmla.testing import make_paged_batch, relative_error
 
 pytest.importorskip("triton")
 
+import itertools
+
+from pagedmla.ops.triton import decode as decode_module
 from pagedmla.ops.triton import (
     gather_cache,
     merge_attn_states,
@@ -64,16 +67,15 @@ from pagedmla.ops.triton import (
     varlen_attention,
     write_cache,
 )
-from pagedmla.ops.triton._utils import INTERPRETED
+from pagedmla.ops.triton._utils import INTERPRETED, cdiv, multiprocessor_count
 from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
-    MAX_SPLITS,
     DecodeConfig,
     _page_descriptors,
     hopper_kernel,
     pick_config,
-    plan_num_splits,
 )
+from pagedmla.ops.triton.split_plan import MAX_SPLITS, SplitPlan, plan_splits
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -214,6 +216,18 @@ def test_decode_split_counts_agree(num_splits: int | None, config: DecodeConfig)
 
 
 @runnable
+def test_decode_many_pieces_merge_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 100 pieces of one request (forced) and the combine's tile cut to 256 elements, so
+    # that its two passes run over chunks of 16 pieces. A short request beside it stays
+    # whole.
+    monkeypatch.setattr(decode_module, "COMBINE_ELEMENTS", 256)
+    assert decode_module.combine_blocks(16, 2, 100, 100, 64, 4)[1] == 16
+    args = _decode_case([1, 1], [1600, 40], 16, 64, 16, 16, torch.float32, torch.float32,
+                        seed=33)
+    _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=100)
+
+
+@runnable
 def test_decode_default_config_and_planner() -> None:
     # The production configs (not TINY_DECODE) on a small case: 17 heads, not a power of 2.
     args = _decode_case([1, 1, 2], [5, 300, 77], 17, 64, 16, 16, torch.float16,
@@ -276,26 +290,87 @@ def test_decode_padded_request_is_harmless(config: DecodeConfig) -> None:
     _check_decode(tuple(args), torch.float32, config=config, num_splits=3)
 
 
-def test_split_planner() -> None:
-    # Host-only: no kernel runs. H200: 132 multiprocessors.
-    cfg16, cfg64 = DECODE_CONFIGS["rows16"], DECODE_CONFIGS["rows64"]
-    # B = 1, N = 128 (two head groups of 64), 64k context: fill the GPU with splits.
-    splits = plan_num_splits(1, 2, 65536, 132, cfg64)
-    assert 0.9 * 132 <= 2 * splits <= 132
-    # B = 1, N = 16, 128k: one head group; every multiprocessor gets a split.
-    assert 0.9 * 132 <= plan_num_splits(1, 1, 131072, 132, cfg16) <= MAX_SPLITS
-    # Enough requests x head groups for a wave: no split (no combine pass).
-    assert plan_num_splits(128, 2, 8192, 132, cfg64) == 1
-    # Short contexts never split below min_chunk positions.
-    assert plan_num_splits(1, 1, 100, 132, cfg16) == 1
-    assert plan_num_splits(4, 1, 2048, 132, cfg16) <= 2048 // cfg16.min_chunk
-    assert plan_num_splits(64, 1, 0, 132, cfg16) == 1
-    for batch in (1, 3, 64, 256):
-        for seq in (1, 1000, 131072):
-            s = plan_num_splits(batch, 1, seq, 132, cfg16)
-            assert 1 <= s <= MAX_SPLITS
-    assert pick_config(16, torch.bfloat16).block_h == 16
-    assert pick_config(128, torch.bfloat16).block_h == 64
+def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
+          forced: int | None = None) -> tuple[SplitPlan, list[list[int]]]:
+    """A plan for lengths `lens` (one query token each), checked for what every plan must
+    be: each request's positions [0, len) covered by its pieces in order, each piece of
+    whole tiles but the last, at most max_pieces pieces, consecutive programs, each with
+    its request's seq_len, first token and q_len; the other programs idle; the cut
+    requests listed in order."""
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
+                       cfg.block_n, cfg.min_chunk, cfg.block_h, forced)
+    work = plan.work.tolist()
+    assert len(work) == plan.programs
+    taken, cut = 0, []
+    for b, n in enumerate(lens):
+        count = work[taken][3]
+        assert 1 <= count <= plan.max_pieces
+        rows = work[taken:taken + count]
+        assert all(r[0] == b and r[3] == count and r[4:8] == [n, b, 1, 0] for r in rows)
+        assert rows[0][1] == 0 and rows[-1][2] == n
+        for row, after in itertools.pairwise(rows):
+            assert row[2] == after[1] and row[1] < row[2] and (row[2] - row[1]) % cfg.block_n == 0
+        if count > 1:
+            cut.append([b, taken, 0, count, n, b, 1, 0])
+        taken += count
+    assert all(r == [-1] + [0] * 7 for r in work[taken:])
+    assert plan.cut.tolist() == cut + [[-1] + [0] * 7] * (plan.cut.shape[0] - len(cut))
+    return plan, work[:taken]
+
+
+def _pieces(work: list[list[int]]) -> list[int]:
+    """The piece count of each request of a plan's used work rows."""
+    return [row[3] for i, row in enumerate(work) if i == 0 or work[i - 1][0] != row[0]]
+
+
+def _tiles(piece: list[int], block_n: int) -> int:
+    return -(-(piece[2] - piece[1]) // block_n)
+
+
+@runnable
+def test_split_plan_uniform_batches() -> None:
+    # H200: 132 multiprocessors. Uniform batches cut as a host planner would.
+    cfg16, cfg64 = DECODE_CONFIGS["rows16"], replace(DECODE_CONFIGS["rows64"], block_h=64)
+    # B = 1, N = 128 (two head groups of 64), 64k: 64 pieces of 1024 positions, one wave.
+    plan, work = _plan([65536], 2, 132, cfg64)
+    assert len(work) == 64 and plan.programs == 66
+    # B = 1, N = 16, 128k: a piece per multiprocessor, at most MAX_SPLITS.
+    plan, work = _plan([131072], 1, 132, cfg16)
+    assert 0.9 * 132 <= len(work) <= MAX_SPLITS
+    # B = 64 x 2k: two pieces each (128 programs of 16 tiles).
+    plan, work = _plan([2048] * 64, 1, 132, cfg16)
+    assert len(work) == 128 and max(_tiles(w, 64) for w in work) == 16
+    # A wave of requests: none is cut, and the combine has nothing to do.
+    plan, work = _plan([8192] * 128, 1, 132, cfg16)
+    assert len(work) == 128
+    plan, work = _plan([4096] * 256, 1, 132, cfg16)
+    assert len(work) == 256 and plan.programs == 256 + 132
+    # Pieces never go below min_chunk positions: short requests stay whole.
+    plan, work = _plan([100, 0, 255], 1, 132, cfg16)
+    assert len(work) == 3 and plan.max_pieces == 1
+
+
+@runnable
+def test_split_plan_follows_the_lengths() -> None:
+    # One long request among short ones: it is cut finely enough that no program holds
+    # much more than a fair share of the batch's tiles (a plan from max_seq_len alone,
+    # the same pieces per request, gave the long request's 2 programs 1024 tiles each).
+    cfg16 = DECODE_CONFIGS["rows16"]
+    lens = [131072] + [2048] * 63
+    _, work = _plan(lens, 1, 132, cfg16)
+    fair = sum(-(-n // 64) for n in lens) / 132
+    assert len(work) <= 132 and max(_tiles(w, 64) for w in work) <= 1.2 * fair
+    # A batch past one wave: the long request is cut, the short ones are not.
+    lens = [131072] + [4096] * 255
+    _, work = _plan(lens, 1, 132, cfg16)
+    counts = _pieces(work)
+    assert counts[0] > 1 and set(counts[1:]) == {1}
+    assert max(_tiles(w, 64) for w in work) <= 64
+    # Graph padding rows (seq_len 0) get one empty piece; a forced count is honoured.
+    _, work = _plan([0, 700, 0], 1, 4, TINY_DECODE, forced=7)
+    assert _pieces(work) == [1, 7, 1]
+
 
 
 # --- merge -------------------------------------------------------------------------------
@@ -573,6 +648,26 @@ def test_layer_matches_oracle(dims: MLADims, cache_dtype: str, block_size: int) 
 
 
 # --- GPU: the issue's matrix at real sizes ------------------------------------------------------
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_decode_gpu_ragged_batch(num_heads: int, cache: str, q_len: int) -> None:
+    # One long request among short ones: the plan cuts the long one into pieces
+    # (partials, the combine) and leaves the short ones whole (stage 1 writes their
+    # output) in the same launch; the Gluon kernels on Hopper (16 and 64 rows).
+    seq_lens = [40001, q_len, 65, 1000, 4097, 333, 2049]
+    cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
+    args = _decode_case([q_len] * len(seq_lens), seq_lens, num_heads, 512, 64, 64,
+                        torch.bfloat16, cache_dtype, seed=230 + num_heads + q_len)
+    plan = plan_splits(args[4], args[5], cdiv(num_heads * q_len, 64 if num_heads > 16 else 16),
+                       max(seq_lens), multiprocessor_count(args[0].device), 64, 256, 16)
+    counts = _pieces([row for row in plan.work.tolist() if row[0] >= 0])
+    assert counts[0] > 4 and max(counts[1:]) < counts[0]
+    _check_decode(args, torch.bfloat16)
 
 
 @pytest.mark.cuda

@@ -136,29 +136,38 @@ def ceilings() -> dict[str, float]:
 
 
 def decode_inputs(batch: int, heads: int, context: int, q_len: int = 1, block_size: int = 64,
-                  cache: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A paged cache with every request at `context` positions (new tokens included),
-    its pages scattered by a random permutation; args for mla_decode."""
+                  cache: torch.dtype = torch.bfloat16, seed: int = 0,
+                  lengths: list[int] | None = None):
+    """A paged cache with every request at `context` positions (new tokens included), or
+    at lengths[b] <= context for request b, its pages scattered by a random permutation;
+    args for mla_decode."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
+    lengths = lengths or [context] * batch
     per_req = -(-context // block_size)
-    blocks = batch * per_req + 1
-    data = torch.empty(blocks, block_size, L + R, device=DEV, dtype=torch.bfloat16)
+    used = sum(-(-n // block_size) for n in lengths)
+    data = torch.empty(used + 1, block_size, L + R, device=DEV, dtype=torch.bfloat16)
     data.normal_(generator=gen)
     data = data.to(cache)
-    table = (torch.randperm(blocks - 1, device=DEV, generator=gen) + 1).int()
-    table = table.view(batch, per_req)
+    order = (torch.randperm(used, device=DEV, generator=gen) + 1).int()
+    table = torch.zeros(batch, per_req, dtype=torch.int32, device=DEV)
+    taken = 0
+    for b, n in enumerate(lengths):
+        blocks = -(-n // block_size)
+        table[b, :blocks] = order[taken:taken + blocks]
+        taken += blocks
     q = torch.randn(batch * q_len, heads, L + R, device=DEV, dtype=torch.bfloat16,
                     generator=gen)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     qsl = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=DEV)
     scale = torch.tensor(0.5 if cache == FP8 else 1.0, device=DEV)
     return (q, data, scale, table, seq_lens, qsl, q_len, context, L, (L + R) ** -0.5)
 
 
-def decode_cost(batch: int, heads: int, context: int, q_len: int, elt: int) -> tuple[int, int]:
-    """(bytes, FLOPs): cache rows read once + q read + out written; QK^T over L + R and
-    PV over L for every head and query token."""
-    rows = batch * context
+def decode_cost(batch: int, heads: int, context: int, q_len: int, elt: int,
+                rows: int | None = None) -> tuple[int, int]:
+    """(bytes, FLOPs): cache rows (batch x context, or `rows` in all) read once + q read
+    + out written; QK^T over L + R and PV over L for every head and query token."""
+    rows = batch * context if rows is None else rows
     tokens = batch * q_len
     nbytes = rows * (L + R) * elt + tokens * heads * (L + R) * 2 + tokens * heads * L * 2
     flops = 2 * heads * q_len * rows * (L + R) + 2 * heads * q_len * rows * L
@@ -328,9 +337,10 @@ def check_all() -> list[str]:
 
 
 def check_graph_replay() -> list[str]:
-    """Capture decode in a CUDA graph with short contexts, replay with 100k-token ones:
-    the split plan comes from max_seq_len (host) and the lengths are read on the device.
-    16 heads (the 16-row kernel on Hopper) and 128 (the 64-row one), bf16 and fp8."""
+    """Capture decode in a CUDA graph with short contexts, replay with 100k-token ones
+    and with one 100k-token request among short ones: the split plan is made on the
+    device from each replay's lengths. 16 heads (the 16-row kernel on Hopper) and 128
+    (the 64-row one), bf16 and fp8."""
     log: list[str] = []
     batch, long_ctx = 4, 100_000
     for heads, cache in ((16, torch.bfloat16), (128, torch.bfloat16), (128, FP8)):
@@ -343,12 +353,13 @@ def check_graph_replay() -> list[str]:
         with torch.cuda.graph(graph):
             out, lse = mla_decode(*args)
         name = f"graph replay N={heads} {'fp8' if cache == FP8 else 'bf16'}"
-        for value in (37, 5000, long_ctx):
-            seq_lens.fill_(value)
+        for lengths in ([37] * batch, [5000] * batch, [long_ctx] * batch,
+                        [long_ctx] + [37] * (batch - 1)):
+            seq_lens.copy_(torch.tensor(lengths))
             graph.replay()
             want, want_lse = ref.mla_decode(*args)
-            _expect(f"{name} ctx={value} out", _rel(out, want), 1e-2, log)
-            _expect(f"{name} ctx={value} lse", (lse - want_lse).abs().max().item(), 2e-3,
+            _expect(f"{name} ctx={lengths} out", _rel(out, want), 1e-2, log)
+            _expect(f"{name} ctx={lengths} lse", (lse - want_lse).abs().max().item(), 2e-3,
                     log)
         del args, graph, out, lse
         torch.cuda.empty_cache()
@@ -374,22 +385,33 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
     ]
     if quick:
         shapes = [shapes[i] for i in (0, 2, 5, 6, 7, 9, 10, 12)]
+    shapes = [(*shape, None) for shape in shapes]
+    # Ragged batches, one long request among short ones (as serving batches are): the
+    # split plan follows the lengths.
+    shapes += [(64, 16, 131072, 1, "memory", 64, [131072] + [2048] * 63),
+               (32, 128, 65536, 1, "compute", 64, [65536] + [4096] * 31)]
     reference_for = {(64, 16, 2048, 1), (1, 128, 65536, 1), (64, 128, 4096, 1)}
     rows = []
-    for batch, heads, context, q_len, regime, page in shapes:
+    for batch, heads, context, q_len, regime, page, lengths in shapes:
         results = {}
         for cache in (torch.bfloat16, FP8):
-            args = decode_inputs(batch, heads, context, q_len, block_size=page, cache=cache)
-            us = bench(graphed(lambda args=args: mla_decode(*args)))
+            args = decode_inputs(batch, heads, context, q_len, block_size=page, cache=cache,
+                                 lengths=lengths)
+            # As each layer of a forward pays it: the split plan is made once per forward
+            # (`plans`), here before the capture; with_plan_us includes making it.
+            plans: dict = {}
+            us = bench(graphed(lambda args=args, plans=plans: mla_decode(*args, plans=plans)))
+            with_plan_us = bench(graphed(lambda args=args: mla_decode(*args)))
             eager_us = bench(lambda args=args: mla_decode(*args))
             # Where the Gluon kernel runs, time the Triton kernel of the same config too.
             cfg = pick_config(heads * q_len, torch.bfloat16, cache == FP8)
             plain_us = None
             if cfg.hopper and hopper_kernel(args[0], args[1], heads * q_len, L) is not None:
                 plain = replace(cfg, hopper=False)
-                plain_us = bench(graphed(lambda args=args, plain=plain:
-                                         mla_decode(*args, config=plain)))
-            nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size())
+                plain_us = bench(graphed(lambda args=args, plain=plain, plans=plans:
+                                         mla_decode(*args, config=plain, plans=plans)))
+            nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size(),
+                                        sum(lengths) if lengths else None)
             results[cache] = (us, nbytes, flops)
             # A plain read of as many bytes, timed the same way: what a short grid's fixed
             # costs (launch, ramp-up, the L2 write-back the flush leaves) do to any read.
@@ -397,14 +419,14 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             same_read_us = min(read_times(src))
             del src
             ref_us = None
-            if (cache == torch.bfloat16 and page == 64
+            if (cache == torch.bfloat16 and page == 64 and lengths is None
                     and (batch, heads, context, q_len) in reference_for):
                 ref_us = bench(lambda args=args: ref.mla_decode(*args), rep_ms=200)
             name = "bf16" if cache == torch.bfloat16 else "fp8"
             row = {
                 "kernel": "mla_decode", "cache": name, "regime": regime, "B": batch,
                 "N": heads, "context": context, "q_len": q_len, "page": page, "us": us,
-                "eager_us": eager_us, "bytes": nbytes,
+                "with_plan_us": with_plan_us, "eager_us": eager_us, "bytes": nbytes,
                 "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
                 "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
                 "baseline_us": ref_us,
@@ -414,6 +436,8 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
             if cache == FP8:
                 row["fp8_speedup_vs_bf16"] = results[torch.bfloat16][0] / us
+            if lengths:
+                row["lengths"] = f"1 x {lengths[0]} + {batch - 1} x {lengths[1]}"
             rows.append(row)
             del args
             torch.cuda.empty_cache()
@@ -669,7 +693,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
     ]
     for r in rows:
         if r["kernel"] == "mla_decode":
-            shape = (f"{r['cache']} B={r['B']} N={r['N']} ctx={r['context']} "
+            ctx = f"ctx={r['lengths']}" if "lengths" in r else f"ctx={r['context']}"
+            shape = (f"{r['cache']} B={r['B']} N={r['N']} {ctx} "
                      f"q_len={r['q_len']} page={r.get('page', 64)}")
             if "fp8_speedup_vs_bf16" in r:
                 shape += f" (x{r['fp8_speedup_vs_bf16']:.2f} vs bf16)"
@@ -705,7 +730,8 @@ def write_plots(report: dict, directory: str) -> list[str]:
     ceil = report["ceilings"]
     rows = report["results"]
     decode = [r for r in rows if r["kernel"] == "mla_decode"]
-    label = [f"{r['cache']} B={r['B']} N={r['N']}\nctx={r['context']} q={r['q_len']} "
+    label = [f"{r['cache']} B={r['B']} N={r['N']}\nctx={r.get('lengths', r['context'])} "
+             f"q={r['q_len']} "
              f"p={r.get('page', 64)}" for r in decode]
     paths = []
     for metric, ceiling, name, unit in (

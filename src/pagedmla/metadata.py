@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,7 +67,11 @@ class DecodeMetadata:
     block_table [Bd, max_blocks] int32; seq_lens [Bd] int32; query_start_loc [Bd + 1]
     int32 (token offsets, bottom-right causal inside each request). dcp: under decode
     context parallelism, the query gather and partial combine around the kernel (the
-    seq_lens are then this rank's row counts); None on a single rank.
+    seq_lens are then this rank's row counts); None on a single rank. plans: where the
+    decode kernels keep what they plan from seq_lens (their split-KV plan) for the
+    layers of one forward, so that it is made once per forward, not once per layer;
+    None: every call plans for itself. `MLAMetadata.for_forward` gives each forward an
+    empty one.
     """
 
     block_table: torch.Tensor
@@ -76,6 +80,7 @@ class DecodeMetadata:
     max_query_len: int
     max_seq_len: int
     dcp: DCPDecode | None = None
+    plans: dict | None = None
 
 
 @dataclass
@@ -152,6 +157,14 @@ class MLAMetadata:
     device: torch.device
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+
+    def for_forward(self) -> MLAMetadata:
+        """This metadata for one forward over all layers: its decode part gets an empty
+        `plans` store. A forward made while a CUDA graph is captured thus records the
+        planning kernel, which each replay re-runs on the replay's seq_lens."""
+        if self.decode is None:
+            return self
+        return replace(self, decode=replace(self.decode, plans={}))
 
     def describe(self) -> str:
         """A human-readable batch plan: which rows are decode, how context was chunked."""

@@ -46,6 +46,7 @@ def absorbed_decode(
         meta.max_seq_len,
         L,
         softmax_scale,
+        plans=meta.plans,
     )
     if meta.dcp is not None:
         latent_out = meta.dcp.combine(latent_out, lse, ops)

@@ -4,8 +4,9 @@ A decode step launches hundreds of small kernels; replaying a captured graph rem
 their launch cost. Inputs live in static buffers that each step overwrites (padding
 rows: token 0, slot -1 so nothing is written, the null block 0 and seq_len 0 so they
 attend to nothing). The decode metadata is captured with max_seq_len = max_model_len,
-so the kernels' split plan covers any context the engine can hold: a graph captured
-with short contexts stays correct and fast when replayed with long ones.
+which bounds the kernels' grids, and the split plan is made on the device from each
+replay's lengths (its kernel is part of the graph): a graph captured with short
+contexts stays correct and fast when replayed with long or ragged ones.
 """
 
 from __future__ import annotations

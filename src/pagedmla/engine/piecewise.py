@@ -180,6 +180,7 @@ class PiecewiseGraphs:
         self._replay(0, rows)
         layers = self.decoder.layers
         real = slice(0, num_tokens)
+        meta = meta.for_forward()
         for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
             layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache, meta,
                                  out=self.attn_out[real])

@@ -212,6 +212,7 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"caches has {len(caches)} entries, expected {len(self.layers)}")
         hidden, cos, sin = self.embed(input_ids, positions)
         residual = None
+        meta = meta.for_forward()
         for layer, cache in zip(self.layers, caches):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
         return self.final_norm(hidden, residual)

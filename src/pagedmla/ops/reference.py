@@ -87,12 +87,16 @@ def mla_decode(
     max_seq_len: int,
     kv_lora_rank: int,
     softmax_scale: float,
+    *,
+    plans: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MQA over the paged latent cache.
 
     q [T, N, L + R]; the keys are whole cache rows [L + R], the values their first L
     columns. Token i of request b (q_len_b tokens) sees positions
     < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] in q's dtype, lse [N, T].
+    `plans` (the per-forward store of kernel backends' split plans) is not used: the
+    reference attends over whole requests.
     """
     num_tokens, num_heads, width = q.shape
     num_reqs = seq_lens.shape[0]

@@ -23,18 +23,15 @@ Stage 2 (`_decode_combine_kernel`) folds the splits of each (token, head) by
 log-sum-exp, all splits of a column block in one load. With one split, stage 1 writes
 the final output and stage 2 is skipped.
 
-The split count is planned on the host from Python ints only (batch size, heads,
-max_seq_len, the multiprocessor count): no device value is read, so a decode step
-never synchronises and can be captured in a CUDA graph. Each program derives its own
-range from the device seq_len: chunk = max(ceil(seq_len / splits), min_chunk), so a
-short request uses few splits and the programs past its end write an empty partial
-(lse -inf) and leave.
+How each request is cut into pieces (split-KV) is planned on the device from the
+actual lengths (`split_plan`): one tiny kernel, no value read back, so a decode step never
+synchronises and can be captured in a CUDA graph, and the plan follows the lengths of
+every replay. Stage 1's grid is (head groups, pieces); a request left whole gets its
+final output from stage 1, and the combine skips it.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,8 +51,8 @@ from pagedmla.ops.triton._utils import (
     next_pow2,
     split_pow2,
 )
+from pagedmla.ops.triton.split_plan import WORK, plan_splits
 
-MAX_SPLITS = 128  # bounds the combine's [splits, columns] tile
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
               torch.bfloat16: tl.bfloat16}
 
@@ -65,9 +62,9 @@ class DecodeConfig:
     """Launch parameters of stage 1 for one regime (rows per program, cache dtype).
 
     block_h: query rows (heads x tokens) per program; block_n: positions per tile;
-    min_chunk: fewest positions a split covers (bounds the partial-output traffic per
+    min_chunk: fewest positions a piece covers (bounds the partial-output traffic per
     byte of cache read); programs_per_sm: programs one multiprocessor holds at once, for
-    the split planner; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
+    the split plan; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
     MMA's M dimension), which suits few heads per program (see the kernel); paged: copy
     whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
     allow (see `_page_descriptors`), else gather rows through the block table; prefetch:
@@ -136,50 +133,15 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
     return DECODE_CONFIGS[key + ("-fp8" if is_fp8 else "")]
 
 
-@functools.lru_cache(maxsize=4096)  # pure in host ints: eager steps skip the search
-def plan_num_splits(
-    num_reqs: int,
-    head_groups: int,
-    max_seq_len: int,
-    num_sms: int,
-    config: DecodeConfig,
-) -> int:
-    """Splits per request so that the grid fills the GPU, from host ints only.
-
-    Programs = requests x head groups x splits. Each candidate split count is scored
-    by the time its slowest multiprocessor needs, in positions: the number of waves of
-    programs times the positions one program covers (plus a fixed overhead per program,
-    and a partial written and re-read per extra split). The cheapest wins; ties go to
-    fewer splits. Splits never go below min_chunk positions each.
-    """
-    if max_seq_len <= 0:
-        return 1
-    slots = max(1, num_sms * config.programs_per_sm)
-    base = num_reqs * head_groups
-    block_n = config.block_n
-    overhead = 2 * block_n  # prologue (q tile), epilogue, block-table latency
-    # An extra split's partial ([block_h, L] float32, written then read back) moves
-    # about as many bytes as 4 * block_h bf16 cache rows of 576 (DeepSeek widths).
-    partial_cost = 4 * config.block_h
-    by_length = cdiv(max_seq_len, config.min_chunk)
-    best_splits, best_cost = 1, math.inf
-    for splits in range(1, min(MAX_SPLITS, by_length) + 1):
-        chunk = cdiv(max(cdiv(max_seq_len, splits), config.min_chunk), block_n) * block_n
-        if cdiv(max_seq_len, chunk) < splits:
-            continue  # tile rounding leaves the last split empty: an idle program
-        waves = cdiv(base * splits, slots)
-        cost = waves * (chunk + overhead + (partial_cost if splits > 1 else 0))
-        if cost < best_cost * 0.97:  # demand a real gain for every extra split
-            best_splits, best_cost = splits, cost
-    return best_splits
-
-
 @triton.jit
-def _split_range(seq_len, num_splits, MIN_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
-    """Positions per split of one request: max(ceil(seq_len / splits), MIN_CHUNK),
-    rounded up to whole tiles so that only a request's last tile is partial."""
-    chunk = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_CHUNK)
-    return tl.cdiv(chunk, ALIGN) * ALIGN
+def _load_piece(work_ptr, piece, WORK: tl.constexpr):
+    """(request, lo, hi, the request's piece count, seq_len, first token, q_len) from
+    row `piece` of a split plan's work; an idle program (request -1) gets request 0 and
+    zeros (no pieces, no rows)."""
+    row = work_ptr + WORK * piece
+    req = tl.load(row)
+    return (tl.maximum(req, 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
 
 
 @triton.jit
@@ -340,37 +302,36 @@ def _paged_step(
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
-    query_start_ptr, out_ptr, lse_ptr,
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
+    out_ptr, lse_ptr, part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_db, stride_dp,
     stride_bt,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh, stride_ls,
-    num_heads, num_splits, softmax_scale,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_heads, rows_per_req, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
-    IS_FP8: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
     SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
-    PF_LINE: tl.constexpr,
+    PF_LINE: tl.constexpr, WORK: tl.constexpr,
 ):
-    """One (head group, split, request): partial out [BLOCK_H, L] and lse over a slice.
+    """One (head group, piece): out [BLOCK_H, L] and lse over the piece's positions.
 
+    The piece is row program_id(1) of the split plan's work [programs, WORK]
+    (`split_plan`).
     PAGED: tiles come as bulk copies through latent_desc / rope_desc (host tensor
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
-    through data_ptr. DIRECT (a single split): writes the final out [T, N, L] (q dtype)
-    and lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh). Otherwise
-    writes float32 partials at [token, head, split] (stride_os, stride_ls); a row whose
-    slice holds no visible key gets lse -inf and no output (the combine never reads it).
+    through data_ptr. A request in one piece gets its final out [T, N, L] (q dtype) and
+    lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
+    float32 partials, at row piece x rows_per_req + (token x N + head) of part [.., L]
+    and part_lse; a row whose piece holds no visible key gets lse -inf and no output
+    (the combine never reads it).
     """
     group = tl.program_id(0)
-    split = tl.program_id(1)
-    req = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + req)
-    q_begin = tl.load(query_start_ptr + req)
-    q_len = tl.load(query_start_ptr + req + 1) - q_begin
+    piece = tl.program_id(1)
+    req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece, WORK)
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -380,11 +341,9 @@ def _decode_partial_kernel(
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
     limit = seq_len - q_len + tok + 1
 
-    chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
-    lo = split * chunk
     # The program's last valid row has the largest limit; nothing past it is needed.
     last_tok = (tl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
-    hi = tl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = tl.minimum(hi, seq_len - q_len + last_tok + 1)
     hi = tl.where(group * BLOCK_H < num_rows, hi, lo)
 
     cols = tl.arange(0, HALF_L)
@@ -470,73 +429,89 @@ def _decode_partial_kernel(
     log_l = tl.math.log2(tl.where(has_key, l_i, 1.0))
     lse = tl.where(has_key, (m_i + log_l) * 0.6931471805599453, float("-inf"))  # natural log
 
-    token = (q_begin + tok).to(tl.int64)
-    out_rows = out_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
-    lse_at = lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh
-    if DIRECT:
-        store_ok = row_ok[:, None]
+    if pieces == 1:
+        token = (q_begin + tok).to(tl.int64)
+        out_rows = out_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(out_rows[:, None] + cols[None, :], out_a.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols[None, :] < L))
+        tl.store(out_rows[:, None] + HALF_L + cols[None, :],
+                 out_b.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols[None, :] + HALF_L < L))
+        tl.store(lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     else:
-        out_rows += split * stride_os
-        lse_at += split * stride_ls
+        at = piece.to(tl.int64) * rows_per_req + rows
         store_ok = (row_ok & has_key)[:, None]
-    tl.store(out_rows[:, None] + cols[None, :], out_a.to(out_ptr.dtype.element_ty),
-             mask=store_ok & (cols[None, :] < L))
-    tl.store(out_rows[:, None] + HALF_L + cols[None, :], out_b.to(out_ptr.dtype.element_ty),
-             mask=store_ok & (cols[None, :] + HALF_L < L))
-    tl.store(lse_at, lse, mask=row_ok)
+        tl.store(part_ptr + at[:, None] * L + cols[None, :], out_a,
+                 mask=store_ok & (cols[None, :] < L))
+        tl.store(part_ptr + at[:, None] * L + HALF_L + cols[None, :], out_b,
+                 mask=store_ok & (cols[None, :] + HALF_L < L))
+        tl.store(part_lse_ptr + at, lse, mask=row_ok)
 
 
 @triton.jit
 def _decode_combine_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, query_start_ptr, out_ptr, lse_ptr,
+    part_out_ptr, part_lse_ptr, cut_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps,
     stride_st, stride_sh, stride_ss,
     stride_ot, stride_oh,
     stride_lh, stride_lt,
     num_heads, num_splits,
-    L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, CHUNK_ALIGN: tl.constexpr, ALL_SPLITS: tl.constexpr,
+    L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
+    WORK: tl.constexpr,
 ):
-    """One (column block, head x token of request, request): merge splits by lse.
+    """One (column block, head x token, cut request): merge its pieces by lse.
 
-    All splits of the column block are loaded at once ([BLOCK_S, BLOCK_C]), so a
-    request with 100+ splits costs one round trip, not one per split. Only the splits
-    the request uses are read (derived from its seq_len as in stage 1), and a split
-    with lse -inf or +inf (no visible key) is not read at all. ALL_SPLITS (decode
-    context parallel partials, `merge_partials`): every "request" is one token and all
-    num_splits partials are candidates; seq_lens and query_start_loc are not read.
+    The request is row program_id(2) of the split plan's `cut` [.., WORK] (request -1:
+    nothing to do): its pieces are the partials first .. first + count - 1 (stride_ps /
+    stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt / stride_st). Pieces are
+    taken BLOCK_S at a time in one online pass, each chunk's lse and partials loaded
+    together; a piece with lse -inf or +inf (no visible key) was not written and gets
+    weight 0 (what was loaded for it is dropped). ALL_SPLITS (decode context parallel
+    partials, `merge_partials`): entry k is token k, whose num_splits partials all
+    count, at its own token index; cut is not read.
     """
     col_block = tl.program_id(0)
     head = tl.program_id(1) % num_heads
     t = tl.program_id(1) // num_heads
-    req = tl.program_id(2)
     if ALL_SPLITS:
-        q_begin = req
+        q_begin = tl.program_id(2)
         q_len = 1
+        first = 0
         used = num_splits
+        part_token = q_begin
     else:
-        q_begin = tl.load(query_start_ptr + req)
-        q_len = tl.load(query_start_ptr + req + 1) - q_begin
-        seq_len = tl.load(seq_lens_ptr + req)
-        chunk = _split_range(seq_len, num_splits, MIN_CHUNK, CHUNK_ALIGN)
-        used = tl.minimum(tl.cdiv(seq_len, chunk), num_splits)
+        row = cut_ptr + WORK * tl.program_id(2)
+        first = tl.load(row + 1)
+        used = tl.load(row + 3)  # 0 past the cut requests
+        q_begin = tl.load(row + 5)
+        q_len = tl.load(row + 6)
+        part_token = t
     used = tl.where(t < q_len, used, 0)  # tokens past this request's q_len: nothing
 
     token = (q_begin + t).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + token * stride_st + head * stride_sh + splits * stride_ss,
-                  mask=splits < used, other=float("-inf"))
-    lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
-    peak = tl.max(lse, 0)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)
-    weight = tl.math.exp2((lse - peak) * 1.4426950408889634)
-    total = tl.sum(weight, 0)
-
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
-                   + splits[:, None] * stride_ps + cols[None, :],
-                   mask=(weight > 0.0)[:, None] & (cols[None, :] < L), other=0.0)
-    out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0.0, total, 1.0)
+    part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
+               + cols[None, :])
+    lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
+    peak = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        at = first + s0 + splits
+        lse = tl.load(lse_at + at * stride_ss, mask=s0 + splits < used, other=float("-inf"))
+        part = tl.load(part_at + at[:, None].to(tl.int64) * stride_ps,
+                       mask=(s0 + splits < used)[:, None] & (cols[None, :] < L), other=0.0)
+        lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
+        new_peak = tl.maximum(peak, tl.max(lse, 0))
+        shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+        rescale = tl.math.exp2((peak - shift) * 1.4426950408889634)
+        weight = tl.math.exp2((lse - shift) * 1.4426950408889634)
+        total = total * rescale + tl.sum(weight, 0)
+        acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None], weight[:, None] * part,
+                                              0.0), 0)
+        peak = new_peak
+    out = acc / tl.where(total > 0.0, total, 1.0)
     # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
              out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
@@ -544,6 +519,20 @@ def _decode_combine_kernel(
                       float("-inf"))
     # Every column block writes the same lse value: a harmless duplicate store.
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+
+
+def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, width: int,
+                   num_sms: int) -> tuple[int, int]:
+    """(BLOCK_C, BLOCK_S) of the combine for num_rows rows x `entries` requests of
+    about `pieces` (at most max_pieces) pieces each, `width` columns. One load should
+    take all of a request's pieces (each further chunk is two more round trips), so
+    BLOCK_C x next_pow2(pieces) fits COMBINE_ELEMENTS (registers); within that, whole
+    rows per program where that still gives two programs per multiprocessor, narrower
+    column blocks where it does not (a long request's 128 heads alone)."""
+    block_c = max(16, min(next_pow2(width), COMBINE_ELEMENTS // next_pow2(pieces)))
+    while block_c > 16 and num_rows * entries * cdiv(width, block_c) < 2 * num_sms:
+        block_c //= 2
+    return block_c, max(1, min(next_pow2(max_pieces), COMBINE_ELEMENTS // block_c))
 
 
 def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
@@ -599,6 +588,7 @@ def mla_decode(
     *,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    plans: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MQA over the paged latent cache (as `reference.mla_decode`).
 
@@ -608,9 +598,12 @@ def mla_decode(
     < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] (q dtype), lse [N, T] float32.
 
     max_query_len / max_seq_len are host ints bounding the batch: they size the grid
-    and must not be smaller than the true values. For CUDA graphs pass the largest
-    seq_len the graph will see (e.g. the model's max length): short requests still use
-    only the splits they need. num_splits / config override the planner (tuning, tests).
+    and must not be smaller than the true values (for CUDA graphs pass the largest
+    seq_len the graph will see, e.g. the model's max length). The split plan is made on
+    the device from seq_lens (`split_plan`); `plans`, a dict the caller keeps for calls
+    on the same seq_lens contents (the layers of one forward), holds it so that it is
+    made once. num_splits (pieces of the longest request) / config override the plan
+    and the kernel config (tuning, tests).
     """
     check_device(q, data)
     num_tokens, num_heads, width = q.shape
@@ -636,14 +629,18 @@ def mla_decode(
     else:
         block_h = min(cfg.block_h, max(16, next_pow2(num_heads * max_query_len)))
     cfg = replace(cfg, block_h=block_h)
-    block_n = cfg.block_n
+    # Pieces are whole tiles of the kernel that runs (the Gluon kernels' are 64).
+    block_n = hopper.BLOCK_N if hopper is not None else cfg.block_n
     head_groups = cdiv(num_heads * max_query_len, block_h)
-    if num_splits is None:
-        num_splits = plan_num_splits(
-            num_reqs, head_groups, max_seq_len, multiprocessor_count(q.device), cfg
-        )
-    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
-    direct = num_splits == 1
+    slots = multiprocessor_count(q.device) * cfg.programs_per_sm
+    key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
+           cfg.min_chunk, block_h, num_splits)
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
+                           block_n, cfg.min_chunk, block_h, num_splits)
+        if plans is not None:
+            plans[key] = plan
     # fp8 widens to float16 (one instruction per two values; e4m3 is exact in float16)
     # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
     compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
@@ -657,47 +654,47 @@ def mla_decode(
     pf_line = 128 // data.element_size()  # elements per 128-byte line
     pf_lines, pf_rest = split_pow2(cdiv(block_n * data.stride(1), pf_line))
     pf_rest = next_pow2(pf_rest) if pf_rest else 0
-    if direct:
-        part_out, part_lse = out, lse
-        o_strides = (out.stride(0), out.stride(1), 0)
-        l_strides = (lse.stride(1), lse.stride(0), 0)
-    else:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, L, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
-        o_strides = part_out.stride()[:3]
-        l_strides = part_lse.stride()
+    # Partials of cut requests: row piece x rows_per_req + (token x N + head).
+    rows_per_req = num_heads * max_query_len
+    cut = plan.max_pieces > 1
+    part_out = (torch.empty(plan.programs, max_query_len, num_heads, L, dtype=torch.float32,
+                            device=q.device) if cut else out)
+    part_lse = (torch.empty(plan.programs, max_query_len, num_heads, dtype=torch.float32,
+                            device=q.device) if cut else lse)
     if hopper is not None:
         hopper.decode_partial(
-            q, data, scale, block_table, seq_lens, query_start_loc, part_out, part_lse,
-            o_strides, l_strides, head_groups, num_splits, softmax_scale, L, cfg.min_chunk,
-            direct)
+            q, data, scale, block_table, plan.work, out, lse, part_out, part_lse,
+            head_groups, rows_per_req, softmax_scale, L)
     else:
-        _decode_partial_kernel[(head_groups, num_splits, num_reqs)](
-            q, data, *(descs or (None, None)), scale, block_table, seq_lens, query_start_loc,
+        _decode_partial_kernel[(head_groups, plan.programs)](
+            q, data, *(descs or (None, None)), scale, block_table, plan.work, out, lse,
             part_out, part_lse,
             q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
-            *o_strides, *l_strides,
-            num_heads, num_splits, float(softmax_scale),
+            out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
+            num_heads, rows_per_req, float(softmax_scale),
             L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
-            BLOCK_R=block_r, MIN_CHUNK=cfg.min_chunk, CHUNK_ALIGN=block_n, IS_FP8=is_fp8,
-            DIRECT=direct, PRECISION=dot_precision(q.dtype), SWAP_AB=cfg.swap_ab,
-            PAGED=descs is not None, COMPUTE=compute,
+            BLOCK_R=block_r, IS_FP8=is_fp8, PRECISION=dot_precision(q.dtype),
+            SWAP_AB=cfg.swap_ab, PAGED=descs is not None, COMPUTE=compute,
             PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            WORK=WORK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    if direct:
+    if not cut:
         return out, lse
-    block_s = next_pow2(num_splits)
-    block_c = max(16, min(2 * half_l, COMBINE_ELEMENTS // block_s))
-    _decode_combine_kernel[(cdiv(L, block_c), num_heads * max_query_len, num_reqs)](
-        part_out, part_lse, seq_lens, query_start_loc, out, lse,
-        *part_out.stride()[:3], *part_lse.stride(),
+    rows = num_heads * max_query_len
+    max_cut = plan.cut.shape[0]
+    # A cut request has about programs / max_cut pieces (every one of the plan's, when
+    # one request is cut).
+    block_c, block_s = combine_blocks(
+        rows, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
+        L, multiprocessor_count(q.device))
+    _decode_combine_kernel[(cdiv(L, block_c), rows, max_cut)](
+        part_out, part_lse, plan.cut, out, lse,
+        part_out.stride(1), part_out.stride(2), part_out.stride(0),
+        part_lse.stride(1), part_lse.stride(2), part_lse.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_heads, num_splits,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, MIN_CHUNK=cfg.min_chunk,
-        CHUNK_ALIGN=block_n, ALL_SPLITS=False, num_warps=COMBINE_WARPS,
+        num_heads, plan.max_pieces,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, WORK=WORK,
+        num_warps=COMBINE_WARPS,
     )
     return out, lse
 
@@ -717,15 +714,14 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     if D == 0 or T == 0 or N == 0 or L == 0:
         return merged.zero_()
     merged_lse = torch.empty(N, T, dtype=torch.float32, device=out.device)  # not returned
-    block_s = next_pow2(D)
-    block_c = max(16, min(next_pow2(L), COMBINE_ELEMENTS // block_s))
+    block_c, block_s = combine_blocks(N, T, D, D, L, multiprocessor_count(out.device))
     _decode_combine_kernel[(cdiv(L, block_c), N, T)](
-        out, lse, lse, lse, merged, merged_lse,  # seq_lens / query_start_loc: not read
+        out, lse, lse, merged, merged_lse,  # (cut, the third: not read)
         out.stride(1), out.stride(2), out.stride(0),
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
         N, D,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, MIN_CHUNK=1, CHUNK_ALIGN=1, ALL_SPLITS=True,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, WORK=WORK,
         num_warps=COMBINE_WARPS,
     )
     return merged

@@ -1,7 +1,7 @@
 """Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
 
-Same contract as `decode._decode_partial_kernel` (one program per head group, split and
-request; final output or float32 partials plus lse), for the memory-bound regime: at
+Same contract as `decode._decode_partial_kernel` (one program per head group and piece
+of a request; final output or float32 partials plus lse), for the memory-bound regime: at
 most BLOCK_H = 16 query rows per request, page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
@@ -47,6 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
+from pagedmla.ops.triton.split_plan import WORK
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
@@ -54,6 +55,7 @@ BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB for bf16; fp8 adds two 64 KB wide buffers)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
+WORK_FIELDS = gl.constexpr(WORK)  # int32 fields per program in the split plan's work
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
@@ -82,29 +84,28 @@ def pages_copyable(data: torch.Tensor) -> bool:
 
 
 @gluon.jit
-def program_slice(seq_lens_ptr, query_start_ptr, num_heads, num_splits,
-                  BLOCK_H: gl.constexpr, MIN_CHUNK: gl.constexpr, ALIGN: gl.constexpr,
-                  TILE_N: gl.constexpr):
-    """Where this program works: its (head group, split, request) from the grid; the
-    request's seq_len, first token, q_len and query rows (q_len x N); and its slice of
-    positions [lo, hi) in num_tiles tiles of TILE_N. Splits are whole ALIGN positions,
-    as `decode._split_range`; a slice stops at the last position any of the program's
+def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr):
+    """Where this program works: its head group and piece from the grid; from row
+    `piece` of the split plan's work (`split_plan`, WORK fields) its request, the
+    request's piece count, seq_len, first token and q_len (all 0 for an idle program,
+    which gets no rows); its query rows (q_len x N); and its positions [lo, hi) in
+    num_tiles tiles of TILE_N. A piece stops at the last position any of the program's
     rows sees (bottom-right causal), and is empty for a group past the rows."""
     group = gl.program_id(0)
-    split = gl.program_id(1)
-    req = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + req)
-    q_begin = gl.load(query_start_ptr + req)
-    q_len = gl.load(query_start_ptr + req + 1) - q_begin
+    piece = gl.program_id(1)
+    row = work_ptr + WORK_FIELDS * piece
+    req = gl.maximum(gl.load(row), 0)
+    pieces = gl.load(row + 3)
+    seq_len = gl.load(row + 4)
+    q_begin = gl.load(row + 5)
+    q_len = gl.load(row + 6)
     num_rows = q_len * num_heads
-    chunk = gl.maximum(gl.cdiv(seq_len, num_splits), MIN_CHUNK)
-    chunk = gl.cdiv(chunk, ALIGN) * ALIGN
-    lo = split * chunk
+    lo = gl.load(row + 1)
     last_tok = (gl.minimum(group * BLOCK_H + BLOCK_H, num_rows) - 1) // num_heads
-    hi = gl.minimum(lo + chunk, seq_len - q_len + last_tok + 1)
+    hi = gl.minimum(gl.load(row + 2), seq_len - q_len + last_tok + 1)
     hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
-    return group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+    return group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
 
 
 @gluon.jit
@@ -376,25 +377,23 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, wide_a, wide_b, wide_ready, w
 
 @gluon.jit
 def _decode_partial_ws_kernel(
-    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, seq_lens_ptr,
-    query_start_ptr, out_ptr, lse_ptr,
+    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, out_ptr, lse_ptr,
+    part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_bt,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh, stride_ls,
-    num_heads, num_splits, softmax_scale,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_heads, rows_per_req, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    TILE_N: gl.constexpr, MIN_CHUNK: gl.constexpr, STAGES: gl.constexpr,
-    IS_FP8: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
+    TILE_N: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """One (head group, split, request), as `decode._decode_partial_kernel`; the
-    TILE_N-position tiles come through latent_desc ([rows, L / 2] boxes) and rope_desc
-    ([rows, R] boxes, rows = `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE,
-    L + R] rows."""
+    """One (head group, piece), as `decode._decode_partial_kernel`; the TILE_N-position
+    tiles come through latent_desc ([rows, L / 2] boxes) and rope_desc ([rows, R] boxes,
+    rows = `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE, L + R] rows."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
-    group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
-        seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK, TILE_N,
-        TILE_N)
+    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
+     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -472,22 +471,25 @@ def _decode_partial_ws_kernel(
     out_a = gl.convert_layout(acc_a * norm[None, :], store)
     out_b = gl.convert_layout(acc_b * norm[None, :], store)
     r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, store))
-    token = (q_begin + r_st // num_heads).to(gl.int64)
-    out_cols = out_ptr + token * stride_ot + (r_st % num_heads).to(gl.int64) * stride_oh
-    lse_at = lse_ptr + token * stride_lt + (r_st % num_heads).to(gl.int64) * stride_lh
     lse = gl.convert_layout(lse, gl.SliceLayout(0, store))
-    if DIRECT:
-        store_ok = r_st < num_rows
-    else:
-        out_cols += split * stride_os
-        lse_at += split * stride_ls
-        store_ok = (r_st < num_rows) & (lse > float("-inf"))
+    row_ok = r_st < num_rows
     l_idx = gl.arange(0, HALF_L, gl.SliceLayout(1, store))
-    gl.store(out_cols[None, :] + l_idx[:, None], out_a.to(out_ptr.dtype.element_ty),
-             mask=store_ok[None, :])
-    gl.store(out_cols[None, :] + HALF_L + l_idx[:, None], out_b.to(out_ptr.dtype.element_ty),
-             mask=store_ok[None, :])
-    gl.store(lse_at, lse, mask=r_st < num_rows)
+    if pieces == 1:
+        token = (q_begin + r_st // num_heads).to(gl.int64)
+        head = (r_st % num_heads).to(gl.int64)
+        out_cols = out_ptr + token * stride_ot + head * stride_oh
+        gl.store(out_cols[None, :] + l_idx[:, None], out_a.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[None, :])
+        gl.store(out_cols[None, :] + HALF_L + l_idx[:, None],
+                 out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+        gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:  # a partial with no visible key is never read: not stored
+        at = piece.to(gl.int64) * rows_per_req + r_st
+        store_ok = row_ok & (lse > float("-inf"))
+        gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
+        gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
+                 mask=store_ok[None, :])
+        gl.store(part_lse_ptr + at, lse, mask=row_ok)
 
 
 def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -514,23 +516,21 @@ def _tile_layouts(dtype: torch.dtype, block_n: int, L: int, R: int,
 
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
-    head_groups: int, num_splits: int, softmax_scale: float, L: int, min_chunk: int,
-    direct: bool,
+    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, head_groups: int, rows_per_req: int, softmax_scale: float,
+    L: int,
 ) -> None:
-    """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
-    num_splits, B).
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1, programs),
+    the pieces of the split plan's work [programs, WORK].
 
-    q [T, N, L + R]; data [num_blocks, page, L + R]; part_out / part_lse as in
-    `decode.mla_decode` (the final out [T, N, L] and lse [N, T] when `direct`)."""
+    q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
+    requests in one piece, part_out [programs, .., L] and part_lse float32 for the
+    others' partials (as `decode.mla_decode`)."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_partial_ws_kernel[(head_groups, num_splits, seq_lens.shape[0])](
-        q, latent_desc, rope_desc, scale, block_table, seq_lens, query_start_loc,
-        part_out, part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), *o_strides, *l_strides,
-        q.shape[1], num_splits, float(softmax_scale),
+    _decode_partial_ws_kernel[(head_groups, work.shape[0])](
+        q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
+        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        lse.stride(1), lse.stride(0), q.shape[1], rows_per_req, float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        MIN_CHUNK=min_chunk, STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, DIRECT=direct,
-        num_warps=4,
+        STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, num_warps=4,
     )

@@ -1,7 +1,7 @@
 """Stage 1 of paged latent decode on Hopper for many query rows: 64 heads per program.
 
-Same contract as `decode._decode_partial_kernel` (one program per head group, split and
-request; final output or float32 partials plus lse), for the compute-bound regime: more
+Same contract as `decode._decode_partial_kernel` (one program per head group and piece
+of a request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
 data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8).
 
@@ -281,32 +281,29 @@ def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_fre
 
 @gluon.jit
 def _decode_heads_kernel(
-    q_ptr, latent_desc, rope_desc, codes_ptr, scale_ptr, block_table_ptr, seq_lens_ptr,
-    query_start_ptr, out_ptr, lse_ptr,
+    q_ptr, latent_desc, rope_desc, codes_ptr, scale_ptr, block_table_ptr, work_ptr,
+    out_ptr, lse_ptr, part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_cp,
     stride_bt,
-    stride_ot, stride_oh, stride_os,
-    stride_lt, stride_lh, stride_ls,
-    num_heads, num_splits, softmax_scale,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_heads, rows_per_req, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    TILE_N: gl.constexpr, MIN_CHUNK: gl.constexpr, CHUNK_ALIGN: gl.constexpr,
-    STAGES: gl.constexpr, IS_FP8: gl.constexpr, PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr,
-    DIRECT: gl.constexpr,
+    TILE_N: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
+    PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """One (head group of BLOCK_H rows, split, request), as
-    `decode._decode_partial_kernel`. A 16-bit cache's tiles are copied through
-    latent_desc ([TILE_N, L / 2] boxes) and rope_desc ([TILE_N, R] boxes) over the cache
-    viewed as [pages x PAGE, L + R] rows; an fp8 cache is read as uint8 codes through
-    codes_ptr (row stride stride_cp, pages PAGE_ROWS rows apart), the descriptors None, and
-    PF_ROWS rows per L2 request (`_prefetch_rows`). Splits are whole CHUNK_ALIGN
-    positions (the combine's alignment, a multiple of TILE_N). num_warps = 8: the two
-    output warpgroups."""
+    """One (head group of BLOCK_H rows, piece), as `decode._decode_partial_kernel`. A
+    16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
+    rope_desc ([TILE_N, R] boxes) over the cache viewed as [pages x PAGE, L + R] rows;
+    an fp8 cache is read as uint8 codes through codes_ptr (row stride stride_cp, pages
+    PAGE_ROWS rows apart), the descriptors None, and PF_ROWS rows per L2 request
+    (`_prefetch_rows`). Pieces start at multiples of TILE_N (the split plan's tile).
+    num_warps = 8: the two output warpgroups."""
     HALF_L: gl.constexpr = L // 2
-    group, split, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = program_slice(
-        seq_lens_ptr, query_start_ptr, num_heads, num_splits, BLOCK_H, MIN_CHUNK,
-        CHUNK_ALIGN, TILE_N)
+    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
+     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     # The output accumulators: each warpgroup owns half of every [BLOCK_H, L / 2] half.
@@ -386,44 +383,50 @@ def _decode_heads_kernel(
     lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # natural log
     r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
-    token = (q_begin + r_out // num_heads).to(gl.int64)
-    head = (r_out % num_heads).to(gl.int64)
-    # (With one split the strides address the final out and lse, stride_os = 0.)
-    out_rows = out_ptr + split * stride_os + token * stride_ot + head * stride_oh
-    lse_at = lse_ptr + split * stride_ls + token * stride_lt + head * stride_lh
     row_ok = r_out < num_rows
-    # A partial with no visible key is never read: not stored.
-    store_ok = row_ok if DIRECT else row_ok & has_key
     out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, mma))
-    gl.store(out_rows[:, None] + out_cols[None, :],
-             (acc_a * norm[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
-    gl.store(out_rows[:, None] + HALF_L + out_cols[None, :],
-             (acc_b * norm[:, None]).to(out_ptr.dtype.element_ty), mask=store_ok[:, None])
-    gl.store(lse_at, lse, mask=row_ok)
+    if pieces == 1:
+        token = (q_begin + r_out // num_heads).to(gl.int64)
+        head = (r_out % num_heads).to(gl.int64)
+        out_rows = out_ptr + token * stride_ot + head * stride_oh
+        gl.store(out_rows[:, None] + out_cols[None, :],
+                 (acc_a * norm[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        gl.store(out_rows[:, None] + HALF_L + out_cols[None, :],
+                 (acc_b * norm[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:  # a partial with no visible key is never read: not stored
+        at = piece.to(gl.int64) * rows_per_req + r_out
+        store_ok = row_ok & has_key
+        gl.store(part_ptr + at[:, None] * L + out_cols[None, :], acc_a * norm[:, None],
+                 mask=store_ok[:, None])
+        gl.store(part_ptr + at[:, None] * L + HALF_L + out_cols[None, :],
+                 acc_b * norm[:, None], mask=store_ok[:, None])
+        gl.store(part_lse_ptr + at, lse, mask=row_ok)
 
 
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, o_strides: tuple[int, int, int], l_strides: tuple[int, int, int],
-    head_groups: int, num_splits: int, softmax_scale: float, L: int, min_chunk: int,
-    direct: bool,
+    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, head_groups: int, rows_per_req: int, softmax_scale: float,
+    L: int,
 ) -> None:
-    """Launch stage 1 for a batch `supported` accepted: grid (head_groups, num_splits,
-    B), head_groups = ceil(N * max_query_len / BLOCK_H).
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups, programs),
+    head_groups = ceil(N * max_query_len / BLOCK_H), the pieces of the split plan's work
+    [programs, WORK].
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
-    [] float32); part_out / part_lse as in `decode.mla_decode` (the final out [T, N, L]
-    and lse [N, T] when `direct`)."""
+    [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out
+    [programs, .., L] and part_lse float32 for the others' partials (as
+    `decode.mla_decode`)."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
-    _decode_heads_kernel[(head_groups, num_splits, seq_lens.shape[0])](
+    _decode_heads_kernel[(head_groups, work.shape[0])](
         q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
-        block_table, seq_lens, query_start_loc, part_out, part_lse,
+        block_table, work, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
-        *o_strides, *l_strides, q.shape[1], num_splits, float(softmax_scale),
+        out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
+        q.shape[1], rows_per_req, float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        MIN_CHUNK=min_chunk, CHUNK_ALIGN=BLOCK_N, STAGES=STAGES, IS_FP8=is_fp8,
-        PAGE_ROWS=data.stride(0) // data.stride(1),
-        PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, DIRECT=direct, num_warps=8,
+        STAGES=STAGES, IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
+        PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
     )

@@ -1,0 +1,214 @@
+"""How a decode batch is cut into pieces for split-KV, decided on the device.
+
+Stage 1 of `decode.mla_decode` runs one program per (head group, piece), a piece being
+a slice of one request's positions; the combine then folds each request's pieces by
+log-sum-exp. How to cut is decided here from the batch's actual lengths, by one small
+kernel, because the host knows only bounds (batch size, max_seq_len): a CUDA graph
+captured with short contexts must stay fast when replayed with long ones, and one long
+request among short ones must not leave a few multiprocessors doing all its work.
+
+The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, t_max
+the longest. Every request is cut into pieces of at most T tiles, one T for the whole
+batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 .. max_pieces
+(s: the longest request's piece count). A candidate makes P(T) = sum_b ceil(t_b / T)
+pieces, which run in ceil(P x head_groups / slots) waves of at most T tiles; each piece
+also pays a fixed cost (q, the first copy's latency, the epilogue: OVERHEAD tiles) and,
+once any request is cut, its float32 partial written and read back (PARTIAL tiles). The
+cheapest candidate wins, and the one with the fewest pieces within 3% of it is taken.
+Request b is then cut into ceil(t_b / T) pieces of equal whole-tile size. For a uniform
+batch this is the split count a host planner would choose; for a ragged one the long
+requests are cut finer than the short ones.
+
+The plan is two int32 tensors of WORK-field rows: `work`, one row per stage-1 program
+(request, first position, end position, the request's piece count, and the request's
+seq_len, first token and q_len, so that a program learns its work in one round trip),
+request -1 for programs past the last piece; and `cut`, one row per request cut in more
+than one piece (request, its first program, its piece count, ...), which the combine
+runs over, so that a batch none of whose requests is cut costs it next to nothing. A
+request's pieces are consecutive programs, so its partials are consecutive rows of the
+partial buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedmla.ops.triton._utils import cdiv, next_pow2
+
+MAX_SPLITS = 128  # pieces of one request at most: bounds the combine's [pieces, columns] tile
+OVERHEAD_TILES = 2  # a piece's fixed cost, in tiles of cache (q, the first copy, the epilogue)
+# A cut request's partial ([rows, L] float32, written then read back) moves about as many
+# bytes as 4 x rows bf16 cache rows of 576 columns (DeepSeek widths).
+PARTIAL_ROWS_PER_ROW = 4
+_BLOCK_B = 64  # requests per step of the plan kernel's loops
+_BLOCK_P = 128  # programs per step of its last loop
+WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
+_FIELDS = tl.constexpr(WORK)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """A batch's pieces (see the module docstring).
+
+    work int32 [programs, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
+    first token, q_len) per stage-1 program; cut int32 [max_cut, WORK]: (request, its
+    first program, 0, its pieces, seq_len, first token, q_len) for each request in more
+    than one piece, in order, then rows of request -1. programs, max_pieces and max_cut
+    (cut's length) are host bounds: the stage-1 grid, the most pieces any request gets,
+    the most requests cut.
+    """
+
+    work: torch.Tensor
+    cut: torch.Tensor
+    programs: int
+    max_pieces: int
+
+
+@triton.jit
+def _cdiv(a, b):
+    """ceil(a / b) of int32 tensors, 0 <= a < 2**24 and 1 <= b < 2**24: the float32
+    quotient (off by at most one here) corrected, cheaper than an integer division."""
+    q = tl.math.ceil(a.to(tl.float32) / b.to(tl.float32)).to(tl.int32)
+    q = tl.where((q - 1) * b >= a, q - 1, q)
+    return tl.where(q * b < a, q + 1, q)
+
+
+@triton.jit
+def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, mask):
+    """Rows of WORK int32 at `at` (a tensor of row addresses): (req, a, b, pieces,
+    seq_len, q_begin, q_len, 0), each value broadcast to `at`'s shape, where mask."""
+    zero = tl.zeros(at.shape, tl.int32)
+    tl.store(at, zero + req, mask=mask)
+    tl.store(at + 1, zero + a, mask=mask)
+    tl.store(at + 2, zero + b, mask=mask)
+    tl.store(at + 3, zero + pieces, mask=mask)
+    tl.store(at + 4, zero + seq_len, mask=mask)
+    tl.store(at + 5, zero + q_begin, mask=mask)
+    tl.store(at + 6, zero + q_len, mask=mask)
+    tl.store(at + 7, zero, mask=mask)
+
+
+@triton.jit
+def _plan_kernel(
+    seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+    num_reqs, programs, max_pieces, max_cut, head_groups, slots, forced,
+    BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
+    PARTIAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program plans the whole batch (see the module docstring); forced > 0 fixes
+    the longest request's piece count instead of scoring the candidates."""
+    reqs = tl.arange(0, BLOCK_B)
+    t_max = tl.full([], 0, tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        t = tl.cdiv(tl.load(seq_lens_ptr + b0 + reqs, mask=b0 + reqs < num_reqs, other=0),
+                    BLOCK_N)
+        t_max = tl.maximum(t_max, tl.max(t, 0))
+
+    s = tl.arange(0, BLOCK_S) + 1
+    size = tl.maximum(_cdiv(tl.broadcast_to(t_max, (BLOCK_S,)), s), MIN_TILES)  # tiles
+    count = tl.zeros([BLOCK_S], tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        t = tl.cdiv(tl.load(seq_lens_ptr + b0 + reqs, mask=b0 + reqs < num_reqs, other=0),
+                    BLOCK_N)
+        cut = tl.maximum(_cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
+                               tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B))), 1)
+        count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
+    waves = tl.cdiv(count * head_groups, slots)
+    cost = (waves * (size + OVERHEAD + tl.where(count > num_reqs, PARTIAL, 0))).to(tl.float32)
+    allowed = (s <= max_pieces) & (count <= programs)
+    cost = tl.where(allowed, cost, float("inf"))
+    best = tl.min(cost, 0)
+    chosen = tl.min(tl.where(allowed & (cost * 0.97 <= best), s, BLOCK_S + 1), 0)
+    chosen = tl.where(forced > 0, tl.minimum(forced, max_pieces), chosen)
+    tiles = tl.maximum(tl.cdiv(t_max, chosen), MIN_TILES)
+
+    # Each request in equal whole-tile pieces of at most `tiles`; its pieces are the
+    # consecutive programs from `first` on. The requests cut in more than one piece
+    # are listed in order in `cut` (what the combine runs over).
+    j = tl.arange(0, BLOCK_S)
+    first = tl.full([], 0, tl.int32)
+    cuts = tl.full([], 0, tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        b = b0 + reqs
+        in_batch = b < num_reqs
+        seq_len = tl.load(seq_lens_ptr + b, mask=in_batch, other=0)
+        q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
+        q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
+        t = tl.cdiv(seq_len, BLOCK_N)
+        n = tl.maximum(tl.cdiv(t, tiles), 1)
+        step = tl.cdiv(t, n)  # tiles per piece (0 for an empty request: one empty piece)
+        n = tl.where(t > 0, tl.cdiv(t, tl.maximum(step, 1)), 1)
+        n = tl.where(in_batch, n, 0)
+        start = first + tl.cumsum(n, 0) - n
+        first += tl.sum(n, 0)
+        is_cut = (n > 1).to(tl.int32)
+        listed = cut_ptr + _FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
+        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
+        cuts += tl.sum(is_cut, 0)
+        lo = j[None, :] * (step * BLOCK_N)[:, None]
+        hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
+        at = work_ptr + _FIELDS * (start[:, None] + j[None, :])
+        _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None], q_begin[:, None],
+                   q_len[:, None], j[None, :] < n[:, None])
+
+    p = tl.arange(0, BLOCK_P)
+    for p0 in range(0, programs, BLOCK_P):
+        _store_row(work_ptr + _FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0,
+                   (p0 + p >= first) & (p0 + p < programs))
+    for c0 in range(0, max_cut, BLOCK_P):
+        _store_row(cut_ptr + _FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0,
+                   (c0 + p >= cuts) & (c0 + p < max_cut))
+
+
+def plan_bounds(
+    num_reqs: int, head_groups: int, max_seq_len: int, slots: int, block_n: int,
+    min_chunk: int, forced: int | None = None,
+) -> tuple[int, int, int]:
+    """Host bounds of a plan from ints only: (programs, max_pieces, max_cut).
+
+    programs: the stage-1 grid's pieces, one wave's worth (slots / head_groups) or, for
+    a batch larger than a wave, the batch plus one wave of cut pieces. max_pieces: the
+    most pieces a request can get (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS,
+    and what the grid leaves); `forced` pieces for the longest request (tests, tuning)
+    widen the grid to fit them. max_cut: the most requests cut in more than one piece
+    (each takes at least one of the programs past the batch's first B).
+    """
+    per_wave = cdiv(slots, head_groups)
+    programs = per_wave if num_reqs <= per_wave else num_reqs + per_wave
+    min_tiles = max(1, min_chunk // block_n)
+    max_pieces = max(1, min(MAX_SPLITS, cdiv(cdiv(max_seq_len, block_n), min_tiles),
+                            programs - num_reqs + 1))
+    if forced is not None:
+        max_pieces = max(1, min(int(forced), MAX_SPLITS))
+        programs = max(programs, num_reqs * max_pieces)
+    return programs, max_pieces, max(1, min(num_reqs, programs - num_reqs))
+
+
+def plan_splits(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_groups: int,
+    max_seq_len: int, slots: int, block_n: int, min_chunk: int, block_h: int,
+    forced: int | None = None,
+) -> SplitPlan:
+    """Plan the pieces of a batch with seq_lens int32 [B] and query_start_loc int32
+    [B + 1] (on the device; nothing is read back): one launch of a one-program kernel,
+    graph-safe. head_groups: stage-1 programs per piece; slots: programs the GPU runs at
+    once; block_n / min_chunk / block_h: the stage-1 config's tile, fewest positions per
+    piece and rows per program."""
+    num_reqs = seq_lens.shape[0]
+    programs, max_pieces, max_cut = plan_bounds(num_reqs, head_groups, max_seq_len, slots,
+                                                block_n, min_chunk, forced)
+    work = torch.empty(programs, WORK, dtype=torch.int32, device=seq_lens.device)
+    cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=seq_lens.device)
+    _plan_kernel[(1,)](
+        seq_lens, query_start_loc, work, cut,
+        num_reqs, programs, max_pieces, max_cut, head_groups, slots, int(forced or 0),
+        BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
+        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n),
+        BLOCK_S=next_pow2(max_pieces), BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, num_warps=8,
+    )
+    return SplitPlan(work, cut, programs, max_pieces)
