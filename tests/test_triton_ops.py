@@ -352,6 +352,26 @@ def test_split_plan_uniform_batches() -> None:
 
 
 @runnable
+def test_split_plan_on_random_batches() -> None:
+    # Fresh random batches (sizes 1-300, lengths 0-200k from a heavy-tailed mix, 1-4 head
+    # groups, 4 or 132 multiprocessors): every plan covers every request exactly
+    # (`_plan` checks) within its grid. The seed is printed for a failing run.
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    cfg16 = DECODE_CONFIGS["rows16"]
+    for _ in range(12):
+        batch = int(torch.randint(1, 301, (), generator=gen))
+        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
+        lens = (torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist()
+        if max(lens) == 0:
+            lens[0] = 1
+        groups = int(torch.randint(1, 5, (), generator=gen))
+        slots = 4 if torch.rand((), generator=gen) < 0.3 else 132
+        _plan(lens, groups, slots, cfg16)
+
+
+@runnable
 def test_split_plan_follows_the_lengths() -> None:
     # One long request among short ones: it is cut finely enough that no program holds
     # much more than a fair share of the batch's tiles (a plan from max_seq_len alone,
