@@ -191,9 +191,11 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
         capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    # Each rank prints its outputs once. Counted in the whole output, not line by line:
+    # the ranks share the pipe and print writes a line's text and its newline apart, so
+    # two lines can come out as "[[..]][[..]]\n\n" (seen on a loaded machine).
     expected = str([o.outputs[0].token_ids for o in reference("auto", 8)[0]]).replace(" ", "")
-    assert len(lines) == 2 and all(line.replace(" ", "") == expected for line in lines)
+    assert done.stdout.replace(" ", "").count(expected) == 2, done.stdout[-3000:]
     # close() leaves the group for good: its gloo worker threads (named pt_gloo_runloop
     # by PyTorch) are gone. A group kept alive past destroy_process_group has made ranks
     # abort at interpreter exit (see distributed/launch.py).
