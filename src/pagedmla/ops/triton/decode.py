@@ -51,7 +51,7 @@ from pagedmla.ops.triton._utils import (
     next_pow2,
     split_pow2,
 )
-from pagedmla.ops.triton.split_plan import WORK, plan_splits
+from pagedmla.ops.triton.split_plan import WORK_FIELDS, plan_splits
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
               torch.bfloat16: tl.bfloat16}
@@ -134,11 +134,11 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
 
 
 @triton.jit
-def _load_piece(work_ptr, piece, WORK: tl.constexpr):
+def _load_piece(work_ptr, piece):
     """(request, lo, hi, the request's piece count, seq_len, first token, q_len) from
     row `piece` of a split plan's work; an idle program (request -1) gets request 0 and
     zeros (no pieces, no rows)."""
-    row = work_ptr + WORK * piece
+    row = work_ptr + WORK_FIELDS * piece
     req = tl.load(row)
     return (tl.maximum(req, 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
             tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
@@ -315,7 +315,7 @@ def _decode_partial_kernel(
     BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
     SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
-    PF_LINE: tl.constexpr, WORK: tl.constexpr,
+    PF_LINE: tl.constexpr,
 ):
     """One (head group, piece): out [BLOCK_H, L] and lse over the piece's positions.
 
@@ -331,7 +331,7 @@ def _decode_partial_kernel(
     """
     group = tl.program_id(0)
     piece = tl.program_id(1)
-    req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece, WORK)
+    req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece)
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -457,7 +457,6 @@ def _decode_combine_kernel(
     stride_lh, stride_lt,
     num_heads, num_splits,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
-    WORK: tl.constexpr,
 ):
     """One (column block, head x token, cut request): merge its pieces by lse.
 
@@ -480,7 +479,7 @@ def _decode_combine_kernel(
         used = num_splits
         part_token = q_begin
     else:
-        row = cut_ptr + WORK * tl.program_id(2)
+        row = cut_ptr + WORK_FIELDS * tl.program_id(2)
         first = tl.load(row + 1)
         used = tl.load(row + 3)  # 0 past the cut requests
         q_begin = tl.load(row + 5)
@@ -622,16 +621,18 @@ def mla_decode(
     data = last_dim_contiguous(data)
     is_fp8 = data.dtype == FP8_DTYPE
 
-    cfg = config or pick_config(num_heads * max_query_len, q.dtype, is_fp8)
-    hopper = hopper_kernel(q, data, num_heads * max_query_len, L) if cfg.hopper else None
+    # Query rows per request (token x N + head): what stage 1's programs split in groups.
+    rows_per_req = num_heads * max_query_len
+    cfg = config or pick_config(rows_per_req, q.dtype, is_fp8)
+    hopper = hopper_kernel(q, data, rows_per_req, L) if cfg.hopper else None
     if hopper is not None:
         block_h = hopper.BLOCK_H
     else:
-        block_h = min(cfg.block_h, max(16, next_pow2(num_heads * max_query_len)))
+        block_h = min(cfg.block_h, max(16, next_pow2(rows_per_req)))
     cfg = replace(cfg, block_h=block_h)
     # Pieces are whole tiles of the kernel that runs (the Gluon kernels' are 64).
     block_n = hopper.BLOCK_N if hopper is not None else cfg.block_n
-    head_groups = cdiv(num_heads * max_query_len, block_h)
+    head_groups = cdiv(rows_per_req, block_h)
     slots = multiprocessor_count(q.device) * cfg.programs_per_sm
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
            cfg.min_chunk, block_h, num_splits)
@@ -655,7 +656,6 @@ def mla_decode(
     pf_lines, pf_rest = split_pow2(cdiv(block_n * data.stride(1), pf_line))
     pf_rest = next_pow2(pf_rest) if pf_rest else 0
     # Partials of cut requests: row piece x rows_per_req + (token x N + head).
-    rows_per_req = num_heads * max_query_len
     cut = plan.max_pieces > 1
     part_out = (torch.empty(plan.programs, max_query_len, num_heads, L, dtype=torch.float32,
                             device=q.device) if cut else out)
@@ -676,24 +676,23 @@ def mla_decode(
             BLOCK_R=block_r, IS_FP8=is_fp8, PRECISION=dot_precision(q.dtype),
             SWAP_AB=cfg.swap_ab, PAGED=descs is not None, COMPUTE=compute,
             PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
-            WORK=WORK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if not cut:
         return out, lse
-    rows = num_heads * max_query_len
     max_cut = plan.cut.shape[0]
     # A cut request has about programs / max_cut pieces (every one of the plan's, when
     # one request is cut).
     block_c, block_s = combine_blocks(
-        rows, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
+        rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
         L, multiprocessor_count(q.device))
-    _decode_combine_kernel[(cdiv(L, block_c), rows, max_cut)](
+    _decode_combine_kernel[(cdiv(L, block_c), rows_per_req, max_cut)](
         part_out, part_lse, plan.cut, out, lse,
         part_out.stride(1), part_out.stride(2), part_out.stride(0),
         part_lse.stride(1), part_lse.stride(2), part_lse.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, plan.max_pieces,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, WORK=WORK,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False,
         num_warps=COMBINE_WARPS,
     )
     return out, lse
@@ -721,7 +720,7 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
         N, D,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, WORK=WORK,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True,
         num_warps=COMBINE_WARPS,
     )
     return merged

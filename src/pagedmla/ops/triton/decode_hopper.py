@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
-from pagedmla.ops.triton.split_plan import WORK
+from pagedmla.ops.triton.split_plan import WORK_FIELDS
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
@@ -55,7 +55,6 @@ BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB for bf16; fp8 adds two 64 KB wide buffers)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
-WORK_FIELDS = gl.constexpr(WORK)  # int32 fields per program in the split plan's work
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:

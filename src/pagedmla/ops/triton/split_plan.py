@@ -47,7 +47,7 @@ PARTIAL_ROWS_PER_ROW = 4
 _BLOCK_B = 64  # requests per step of the plan kernel's loops
 _BLOCK_P = 128  # programs per step of its last loop
 WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
-_FIELDS = tl.constexpr(WORK)
+WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,12 @@ def _cdiv(a, b):
 
 
 @triton.jit
+def _tiles(seq_lens_ptr, b, num_reqs, BLOCK_N: tl.constexpr):
+    """Tiles of BLOCK_N positions in requests b (0 past the batch)."""
+    return tl.cdiv(tl.load(seq_lens_ptr + b, mask=b < num_reqs, other=0), BLOCK_N)
+
+
+@triton.jit
 def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, mask):
     """Rows of WORK int32 at `at` (a tensor of row addresses): (req, a, b, pieces,
     seq_len, q_begin, q_len, 0), each value broadcast to `at`'s shape, where mask."""
@@ -105,16 +111,13 @@ def _plan_kernel(
     reqs = tl.arange(0, BLOCK_B)
     t_max = tl.full([], 0, tl.int32)
     for b0 in range(0, num_reqs, BLOCK_B):
-        t = tl.cdiv(tl.load(seq_lens_ptr + b0 + reqs, mask=b0 + reqs < num_reqs, other=0),
-                    BLOCK_N)
-        t_max = tl.maximum(t_max, tl.max(t, 0))
+        t_max = tl.maximum(t_max, tl.max(_tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N), 0))
 
     s = tl.arange(0, BLOCK_S) + 1
     size = tl.maximum(_cdiv(tl.broadcast_to(t_max, (BLOCK_S,)), s), MIN_TILES)  # tiles
     count = tl.zeros([BLOCK_S], tl.int32)
     for b0 in range(0, num_reqs, BLOCK_B):
-        t = tl.cdiv(tl.load(seq_lens_ptr + b0 + reqs, mask=b0 + reqs < num_reqs, other=0),
-                    BLOCK_N)
+        t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
         cut = tl.maximum(_cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
                                tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B))), 1)
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
@@ -147,21 +150,21 @@ def _plan_kernel(
         start = first + tl.cumsum(n, 0) - n
         first += tl.sum(n, 0)
         is_cut = (n > 1).to(tl.int32)
-        listed = cut_ptr + _FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
+        listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
         _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
         cuts += tl.sum(is_cut, 0)
         lo = j[None, :] * (step * BLOCK_N)[:, None]
         hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
-        at = work_ptr + _FIELDS * (start[:, None] + j[None, :])
+        at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
         _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None], q_begin[:, None],
                    q_len[:, None], j[None, :] < n[:, None])
 
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, programs, BLOCK_P):
-        _store_row(work_ptr + _FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0,
+        _store_row(work_ptr + WORK_FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0,
                    (p0 + p >= first) & (p0 + p < programs))
     for c0 in range(0, max_cut, BLOCK_P):
-        _store_row(cut_ptr + _FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0,
+        _store_row(cut_ptr + WORK_FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0,
                    (c0 + p >= cuts) & (c0 + p < max_cut))
 
 
