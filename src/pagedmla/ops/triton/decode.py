@@ -309,7 +309,7 @@ def _decode_partial_kernel(
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, rows_per_req, softmax_scale,
+    num_heads, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
     BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
@@ -325,9 +325,9 @@ def _decode_partial_kernel(
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
     through data_ptr. A request in one piece gets its final out [T, N, L] (q dtype) and
     lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
-    float32 partials, at row piece x rows_per_req + (token x N + head) of part [.., L]
-    and part_lse; a row whose piece holds no visible key gets lse -inf and no output
-    (the combine never reads it).
+    float32 partials, at row (token x N + head) x programs + piece of part [.., L] and
+    part_lse (a row's pieces adjacent); a row whose piece holds no visible key gets lse
+    -inf and no output (the combine never reads it).
     """
     group = tl.program_id(0)
     piece = tl.program_id(1)
@@ -439,7 +439,7 @@ def _decode_partial_kernel(
                  mask=row_ok[:, None] & (cols[None, :] + HALF_L < L))
         tl.store(lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     else:
-        at = piece.to(tl.int64) * rows_per_req + rows
+        at = rows.to(tl.int64) * tl.num_programs(1) + piece
         store_ok = (row_ok & has_key)[:, None]
         tl.store(part_ptr + at[:, None] * L + cols[None, :], out_a,
                  mask=store_ok & (cols[None, :] < L))
@@ -524,11 +524,16 @@ def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, wi
                    num_sms: int) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_S) of the combine for num_rows rows x `entries` requests of
     about `pieces` (at most max_pieces) pieces each, `width` columns. One load should
-    take all of a request's pieces (each further chunk is two more round trips), so
-    BLOCK_C x next_pow2(pieces) fits COMBINE_ELEMENTS (registers); within that, whole
-    rows per program where that still gives two programs per multiprocessor, narrower
-    column blocks where it does not (a long request's 128 heads alone)."""
-    block_c = max(16, min(next_pow2(width), COMBINE_ELEMENTS // next_pow2(pieces)))
+    take all of a request's pieces (each further chunk is one more round trip), so
+    BLOCK_C x `pieces` (rounded to the nearer power of two: a bound of 66 pieces is
+    mostly 64 real ones, and sizing for 128 would leave half of every load masked) fits
+    COMBINE_ELEMENTS (registers); within that, whole rows per program where that still
+    gives two programs per multiprocessor, narrower column blocks where it does not (a
+    long request's 128 heads alone)."""
+    typical = next_pow2(pieces)
+    if 2 * pieces * pieces < typical * typical:
+        typical //= 2
+    block_c = max(16, min(next_pow2(width), COMBINE_ELEMENTS // typical))
     while block_c > 16 and num_rows * entries * cdiv(width, block_c) < 2 * num_sms:
         block_c //= 2
     return block_c, max(1, min(next_pow2(max_pieces), COMBINE_ELEMENTS // block_c))
@@ -655,23 +660,24 @@ def mla_decode(
     pf_line = 128 // data.element_size()  # elements per 128-byte line
     pf_lines, pf_rest = split_pow2(cdiv(block_n * data.stride(1), pf_line))
     pf_rest = next_pow2(pf_rest) if pf_rest else 0
-    # Partials of cut requests: row piece x rows_per_req + (token x N + head).
+    # Partials of cut requests [token, head, piece, ..]: a row's pieces are adjacent, so
+    # the combine reads each row's in one contiguous stretch.
     cut = plan.max_pieces > 1
-    part_out = (torch.empty(plan.programs, max_query_len, num_heads, L, dtype=torch.float32,
+    part_out = (torch.empty(max_query_len, num_heads, plan.programs, L, dtype=torch.float32,
                             device=q.device) if cut else out)
-    part_lse = (torch.empty(plan.programs, max_query_len, num_heads, dtype=torch.float32,
+    part_lse = (torch.empty(max_query_len, num_heads, plan.programs, dtype=torch.float32,
                             device=q.device) if cut else lse)
     if hopper is not None:
         hopper.decode_partial(
             q, data, scale, block_table, plan.work, out, lse, part_out, part_lse,
-            head_groups, rows_per_req, softmax_scale, L)
+            head_groups, softmax_scale, L)
     else:
         _decode_partial_kernel[(head_groups, plan.programs)](
             q, data, *(descs or (None, None)), scale, block_table, plan.work, out, lse,
             part_out, part_lse,
             q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-            num_heads, rows_per_req, float(softmax_scale),
+            num_heads, float(softmax_scale),
             L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
             BLOCK_R=block_r, IS_FP8=is_fp8, PRECISION=dot_precision(q.dtype),
             SWAP_AB=cfg.swap_ab, PAGED=descs is not None, COMPUTE=compute,
@@ -688,8 +694,8 @@ def mla_decode(
         L, multiprocessor_count(q.device))
     _decode_combine_kernel[(cdiv(L, block_c), rows_per_req, max_cut)](
         part_out, part_lse, plan.cut, out, lse,
-        part_out.stride(1), part_out.stride(2), part_out.stride(0),
-        part_lse.stride(1), part_lse.stride(2), part_lse.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, plan.max_pieces,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False,

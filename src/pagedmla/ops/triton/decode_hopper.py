@@ -382,7 +382,7 @@ def _decode_partial_ws_kernel(
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, rows_per_req, softmax_scale,
+    num_heads, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
     num_warps: gl.constexpr,
@@ -483,7 +483,7 @@ def _decode_partial_ws_kernel(
                  out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:  # a partial with no visible key is never read: not stored
-        at = piece.to(gl.int64) * rows_per_req + r_st
+        at = r_st.to(gl.int64) * gl.num_programs(1) + piece
         store_ok = row_ok & (lse > float("-inf"))
         gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
         gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
@@ -516,20 +516,20 @@ def _tile_layouts(dtype: torch.dtype, block_n: int, L: int, R: int,
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, rows_per_req: int, softmax_scale: float,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1, programs),
     the pieces of the split plan's work [programs, WORK].
 
     q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
-    requests in one piece, part_out [programs, .., L] and part_lse float32 for the
+    requests in one piece, part_out [.., programs, L] and part_lse float32 for the
     others' partials (as `decode.mla_decode`)."""
     latent_desc, rope_desc = page_descriptors(data, L)
     _decode_partial_ws_kernel[(head_groups, work.shape[0])](
         q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], rows_per_req, float(softmax_scale),
+        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
         STAGES=STAGES, IS_FP8=data.dtype == FP8_DTYPE, num_warps=4,
     )

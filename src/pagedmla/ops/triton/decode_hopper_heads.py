@@ -288,7 +288,7 @@ def _decode_heads_kernel(
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, rows_per_req, softmax_scale,
+    num_heads, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
     PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr,
@@ -395,7 +395,7 @@ def _decode_heads_kernel(
                  (acc_b * norm[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:  # a partial with no visible key is never read: not stored
-        at = piece.to(gl.int64) * rows_per_req + r_out
+        at = r_out.to(gl.int64) * gl.num_programs(1) + piece
         store_ok = row_ok & has_key
         gl.store(part_ptr + at[:, None] * L + out_cols[None, :], acc_a * norm[:, None],
                  mask=store_ok[:, None])
@@ -407,7 +407,7 @@ def _decode_heads_kernel(
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, rows_per_req: int, softmax_scale: float,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, programs),
@@ -416,7 +416,7 @@ def decode_partial(
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
     [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out
-    [programs, .., L] and part_lse float32 for the others' partials (as
+    [.., programs, L] and part_lse float32 for the others' partials (as
     `decode.mla_decode`)."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
@@ -425,7 +425,7 @@ def decode_partial(
         block_table, work, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-        q.shape[1], rows_per_req, float(softmax_scale),
+        q.shape[1], float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
         STAGES=STAGES, IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
         PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,

@@ -25,8 +25,8 @@ seq_len, first token and q_len, so that a program learns its work in one round t
 request -1 for programs past the last piece; and `cut`, one row per request cut in more
 than one piece (request, its first program, its piece count, ...), which the combine
 runs over, so that a batch none of whose requests is cut costs it next to nothing. A
-request's pieces are consecutive programs, so its partials are consecutive rows of the
-partial buffer.
+request's pieces are consecutive programs, so each of its query rows has its partials
+side by side in the partial buffer ([token, head, program, L]).
 """
 
 from __future__ import annotations
