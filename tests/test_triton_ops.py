@@ -227,6 +227,18 @@ def test_decode_many_pieces_merge_in_chunks(monkeypatch: pytest.MonkeyPatch) -> 
     _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=100)
 
 
+def test_combine_blocks_fit_the_real_piece_count() -> None:
+    # B = 1 at N = 128 on 132 SMs: the plan allows 66 pieces (two head groups) and cuts a
+    # 64k request into 64, so one load should hold 64 pieces, not 128 (half masked).
+    assert decode_module.combine_blocks(128, 1, 66, 66, 512, 132) == (64, 64)
+    # 100 pieces are nearer 128 than 64: one load of 128 pieces, 32 columns wide.
+    assert decode_module.combine_blocks(128, 1, 100, 100, 512, 132) == (32, 128)
+    for pieces in range(1, 129):
+        block_c, block_s = decode_module.combine_blocks(16, 4, pieces, 128, 512, 132)
+        assert block_c * block_s <= decode_module.COMBINE_ELEMENTS
+        assert 2 * block_s >= pieces  # at most two rounds of the combine's loop
+
+
 @runnable
 def test_decode_default_config_and_planner() -> None:
     # The production configs (not TINY_DECODE) on a small case: 17 heads, not a power of 2.
