@@ -695,8 +695,13 @@ def test_decode_gpu_ragged_batch(num_heads: int, cache: str, q_len: int) -> None
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = _decode_case([q_len] * len(seq_lens), seq_lens, num_heads, 512, 64, 64,
                         torch.bfloat16, cache_dtype, seed=230 + num_heads + q_len)
-    plan = plan_splits(args[4], args[5], cdiv(num_heads * q_len, 64 if num_heads > 16 else 16),
-                       max(seq_lens), multiprocessor_count(args[0].device), 64, 256, 16)
+    # The plan the kernel makes: its config, the Gluon kernels' rows per program and tile.
+    rows = num_heads * q_len
+    cfg = pick_config(rows, torch.bfloat16, cache == "fp8")
+    block_h = 16 if rows <= 16 else 64
+    plan = plan_splits(args[4], args[5], cdiv(rows, block_h), max(seq_lens),
+                       multiprocessor_count(args[0].device) * cfg.programs_per_sm, 64,
+                       cfg.min_chunk, block_h)
     counts = _pieces([row for row in plan.work.tolist() if row[0] >= 0])
     assert counts[0] > 4 and max(counts[1:]) < counts[0]
     _check_decode(args, torch.bfloat16)

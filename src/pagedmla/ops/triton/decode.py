@@ -638,7 +638,8 @@ def mla_decode(
     # Pieces are whole tiles of the kernel that runs (the Gluon kernels' are 64).
     block_n = hopper.BLOCK_N if hopper is not None else cfg.block_n
     head_groups = cdiv(rows_per_req, block_h)
-    slots = multiprocessor_count(q.device) * cfg.programs_per_sm
+    num_sms = multiprocessor_count(q.device)
+    slots = num_sms * cfg.programs_per_sm
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
            cfg.min_chunk, block_h, num_splits)
     plan = plans.get(key) if plans is not None else None
@@ -691,7 +692,7 @@ def mla_decode(
     # one request is cut).
     block_c, block_s = combine_blocks(
         rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
-        L, multiprocessor_count(q.device))
+        L, num_sms)
     _decode_combine_kernel[(cdiv(L, block_c), rows_per_req, max_cut)](
         part_out, part_lse, plan.cut, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
