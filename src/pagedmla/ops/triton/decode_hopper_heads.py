@@ -173,9 +173,9 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
                               R, PAGE, PAGE_ROWS, rope)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype))
-        ring_b.index(slot).store(e4m3_bits_to(codes_b, ring_a.dtype))
-        ring_r.index(slot).store(e4m3_bits_to(codes_r, ring_a.dtype))
+        ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype, True))
+        ring_b.index(slot).store(e4m3_bits_to(codes_b, ring_a.dtype, True))
+        ring_r.index(slot).store(e4m3_bits_to(codes_r, ring_a.dtype, True))
         # Order the stores before the products' reads (through the async proxy).
         fence_async_shared()
         mbarrier.arrive(ready.index(slot), count=1)
