@@ -116,7 +116,10 @@ def _load_codes(data_ptr, table_row, stride_row, start, hi, COL0: gl.constexpr,
     (their slots may hold NaN)."""
     pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, layout))
     ok = pos < hi
-    page = gl.load(table_row + pos // PAGE, mask=ok, other=0)
+    if PAGE % TILE_N == 0:  # tiles start at multiples of TILE_N: one page per tile
+        page = gl.load(table_row + start // PAGE)
+    else:
+        page = gl.load(table_row + pos // PAGE, mask=ok, other=0)
     row = _cache_row(page, pos, PAGE, PAGE_ROWS)
     cols = COL0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
     return gl.load(data_ptr + row[:, None] * stride_row + cols[None, :], mask=ok[:, None],
