@@ -121,6 +121,12 @@ def test_kv_b_proj_dtype() -> None:
         MLAAttention(DIMS, kv_b_proj=torch.zeros(4 * 28, 32, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_softmax_scale_must_be_finite_and_positive(scale: float) -> None:
+    with pytest.raises(ValueError, match="softmax_scale"):
+        MLAAttention(DIMS, softmax_scale=scale)
+
+
 def test_head_count_mismatch_between_layer_and_inputs(batch: PagedBatch) -> None:
     # A layer for 8 heads given q with 4 heads.
     dims8 = MLADims(8, 32, 16, 8, 12)

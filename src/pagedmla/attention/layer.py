@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -49,6 +51,9 @@ class MLAAttention(nn.Module):
         self.softmax_scale = float(
             softmax_scale if softmax_scale is not None else dims.qk_head_dim**-0.5
         )
+        if not (0.0 < self.softmax_scale < math.inf):
+            raise ValueError(
+                f"softmax_scale must be a finite positive number, got {softmax_scale}")
         get_backend(backend, "cpu")  # reject unknown names now, not at the first step
         self.backend = backend
         # Empty until set_kv_b_proj: a model builds its layers before loading weights.
