@@ -238,8 +238,8 @@ def _widen(ring_a, ring_b, ready, empty, wide_a, wide_b, wide_ready, wide_empty,
 #   its sign bit over the high byte (selectors 0x9180 / 0xB3A2), so one left shift puts
 #   exponent and mantissa in place under the sign, and one mask clears what lies
 #   between (four per pair; ptxas makes the shift an integer multiply-add).
-# The 64-row kernel's widener, its bottleneck, runs 7-10% faster with the second; the
-# 16-row kernel, whose widener runs a tile ahead of the consumer, 1-2% slower (same-run
+# The 64-row kernel's widener, its bottleneck, runs 6-11% faster with the second; the
+# 16-row kernel, whose widener runs a tile ahead of the consumer, 1-2.5% slower (same-run
 # A/B on one H200, session 14), so each kernel keeps the faster one.
 _SPLIT_SIGN = """{{
 .reg .b32 t, u, k;
@@ -281,19 +281,14 @@ _COPIED_F16 = gl.constexpr(_COPIED_SIGN.format(shift=7, mask="0xBF80BF80", **_F1
 def e4m3_bits_to(bits, dtype: gl.constexpr, COPIED_SIGN: gl.constexpr = False):
     """uint8 e4m3 codes -> dtype (bf16 or fp16) values, same shape and layout, in the
     split-sign form or (COPIED_SIGN) the copied-sign one."""
-    if COPIED_SIGN:
-        if dtype == gl.bfloat16:
-            wide = gl.inline_asm_elementwise(_COPIED_BF16, "=r,=r,r", [bits],
-                                             dtype=gl.bfloat16, is_pure=True, pack=4)
-        else:
-            wide = gl.inline_asm_elementwise(_COPIED_F16, "=r,=r,r", [bits],
-                                             dtype=gl.float16, is_pure=True, pack=4)
-    elif dtype == gl.bfloat16:
-        wide = gl.inline_asm_elementwise(_SPLIT_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
-                                         is_pure=True, pack=4)
+    if dtype == gl.bfloat16:
+        wide = gl.inline_asm_elementwise(_COPIED_BF16 if COPIED_SIGN else _SPLIT_BF16,
+                                         "=r,=r,r", [bits], dtype=gl.bfloat16, is_pure=True,
+                                         pack=4)
     else:
-        wide = gl.inline_asm_elementwise(_SPLIT_F16, "=r,=r,r", [bits], dtype=gl.float16,
-                                         is_pure=True, pack=4)
+        wide = gl.inline_asm_elementwise(_COPIED_F16 if COPIED_SIGN else _SPLIT_F16,
+                                         "=r,=r,r", [bits], dtype=gl.float16, is_pure=True,
+                                         pack=4)
     return wide
 
 
