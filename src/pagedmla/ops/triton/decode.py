@@ -32,6 +32,7 @@ final output from stage 1, and the combine skips it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -610,6 +611,8 @@ def mla_decode(
     and the kernel config (tuning, tests).
     """
     check_device(q, data)
+    if not (0.0 < softmax_scale < math.inf):  # the 64-row kernel scales row maxima
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     num_tokens, num_heads, width = q.shape
     L = kv_lora_rank
     R = width - L

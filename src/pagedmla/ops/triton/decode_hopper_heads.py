@@ -203,6 +203,8 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
     r_idx = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, mma))
     limit = seq_len - q_len + r_idx // num_heads + 1
+    # Positions below full_hi are visible to every row of the group: no mask there.
+    full_hi = gl.minimum(hi, seq_len - q_len + (group * ROWS) // num_heads + 1)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
     s_init = gl.zeros([ROWS, TILE_N], gl.float32, mma)
@@ -233,14 +235,17 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
         s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
 
-        pos = start + gl.arange(0, TILE_N, gl.SliceLayout(0, mma))
-        visible = (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if start + TILE_N > full_hi:  # the slice's end or a row's causal limit inside
+            pos = start + gl.arange(0, TILE_N, gl.SliceLayout(0, mma))
+            visible = (pos < hi)[None, :] & (pos[None, :] < limit[:, None])
+            s = gl.where(visible, s, float("-inf"))
+        # The scale (positive) is applied to the row max and, in one multiply-add, to
+        # the exponent: max(s) * c = max(s * c).
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
+        p = gl.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         # P(i - 1) and alpha(i - 1) are free once the output warpgroups multiplied.
