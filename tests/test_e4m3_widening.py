@@ -1,5 +1,6 @@
 """The fp8 Hopper kernels widen e4m3 codes with inline PTX (`decode_hopper`'s split-sign
-and copied-sign forms, for bf16 and fp16). The interpreter cannot run inline assembly,
+and copied-sign forms, and the copied-sign form without its multiply, for bf16 and
+fp16). The interpreter cannot run inline assembly,
 so on the CPU these tests execute the kernels' PTX text with a small model of the six
 instructions it uses (PTX ISA semantics of prmt, shl, shr, and, or and mul.rn on
 16-bit pairs) and compare every code, in every byte position of a word, with PyTorch's
@@ -16,11 +17,14 @@ import torch
 from pagedmla.ops.triton import decode_hopper
 
 MASK32 = 0xFFFFFFFF
+# (form, dtype) -> (the asm, log2 of the factor its values are short of the codes')
 FORMS = {
-    ("split", torch.bfloat16): decode_hopper._SPLIT_BF16,
-    ("split", torch.float16): decode_hopper._SPLIT_F16,
-    ("copied", torch.bfloat16): decode_hopper._COPIED_BF16,
-    ("copied", torch.float16): decode_hopper._COPIED_F16,
+    ("split", torch.bfloat16): (decode_hopper._SPLIT_BF16, 0),
+    ("split", torch.float16): (decode_hopper._SPLIT_F16, 0),
+    ("copied", torch.bfloat16): (decode_hopper._COPIED_BF16, 0),
+    ("copied", torch.float16): (decode_hopper._COPIED_F16, 0),
+    ("raw", torch.bfloat16): (decode_hopper._RAW_BF16, decode_hopper.RAW_EXP_BF16),
+    ("raw", torch.float16): (decode_hopper._RAW_F16, decode_hopper.RAW_EXP_F16),
 }
 
 
@@ -91,7 +95,7 @@ def _widen(asm: str, codes: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("form,dtype", list(FORMS), ids=lambda x: str(x).split(".")[-1])
 def test_widening_ptx_decodes_every_code(form: str, dtype: torch.dtype) -> None:
-    asm = FORMS[(form, dtype)].value
+    asm, exponent = FORMS[(form, dtype)]
     generator = torch.Generator().manual_seed(14)
     # Every code in every byte position: codes in order, then shuffled words.
     order = torch.cat([torch.arange(256), torch.randperm(256, generator=generator),
@@ -99,8 +103,11 @@ def test_widening_ptx_decodes_every_code(form: str, dtype: torch.dtype) -> None:
                        torch.randperm(256, generator=generator)])
     codes = order.to(torch.uint8)
     want = codes.view(torch.float8_e4m3fn).float()
-    got = torch.cat([_widen(asm, codes[i:i + 4].tolist(), dtype)
+    got = torch.cat([_widen(asm.value, codes[i:i + 4].tolist(), dtype)
                      for i in range(0, len(codes), 4)])
+    # The raw form's values, exact 16-bit numbers (subnormal ones included), times a
+    # power of two: exact in float64.
+    got = (got.double() * 2.0 ** exponent).float()
     finite = want.isfinite()
     # Compared as bits through float32: signed zeros and subnormals must match exactly.
     assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))

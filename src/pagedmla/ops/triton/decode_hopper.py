@@ -127,11 +127,20 @@ def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout:
 
 
 @gluon.jit
+def _times(x, SCALE: gl.constexpr):
+    """x * SCALE in x's dtype (SCALE a power of two: exact unless it overflows)."""
+    if SCALE != 1.0:
+        x = (x * SCALE).to(x.dtype)
+    return x
+
+
+@gluon.jit
 def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
            BLOCK_H: gl.constexpr, L: gl.constexpr, HALF_L: gl.constexpr, R: gl.constexpr,
-           rows: gl.constexpr):
-    """The program's q rows (row r: token r // N, head r % N; zero past num_rows) in
-    shared memory for wgmma: [BLOCK_H, HALF_L] x 2 and [BLOCK_H, R]."""
+           rows: gl.constexpr, Q_SCALE: gl.constexpr = 1.0):
+    """The program's q rows (row r: token r // N, head r % N; zero past num_rows), times
+    Q_SCALE (a power of two), in shared memory for wgmma: [BLOCK_H, HALF_L] x 2 and
+    [BLOCK_H, R]."""
     compute: gl.constexpr = q_ptr.dtype.element_ty
     r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
     r_ok = r_idx < num_rows
@@ -143,13 +152,16 @@ def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
     q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
     q_a = gl.allocate_shared_memory(
         compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0))
+        _times(gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0),
+               Q_SCALE))
     q_b = gl.allocate_shared_memory(
         compute, [BLOCK_H, HALF_L], q_layout,
-        gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0))
+        _times(gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None],
+                       other=0.0), Q_SCALE))
     q_r = gl.allocate_shared_memory(
         compute, [BLOCK_H, R], q_r_layout,
-        gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0))
+        _times(gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0),
+               Q_SCALE))
     return q_a, q_b, q_r
 
 
@@ -269,26 +281,45 @@ shl.b32 t, t, {shift};
 and.b32 t, t, {mask};
 mul.rn.{ty}x2 $1, t, k;
 }}"""
+# The copied-sign form without the multiply: the values come out 2^-120 (bf16) or 2^-8
+# (fp16) of the codes', exact (subnormal 16-bit values included); the caller scales.
+_COPIED_SIGN_RAW = """{{
+.reg .b32 t;
+prmt.b32 t, $2, 0, 0x9180;
+shl.b32 t, t, {shift};
+and.b32 $0, t, {mask};
+prmt.b32 t, $2, 0, 0xB3A2;
+shl.b32 t, t, {shift};
+and.b32 $1, t, {mask};
+}}"""
 _BF16 = dict(one="0x7B807B80", ty="bf16")
 _F16 = dict(one="0x5C005C00", ty="f16")
 _SPLIT_BF16 = gl.constexpr(_SPLIT_SIGN.format(shift=4, mask="0x07F007F0", **_BF16))
 _SPLIT_F16 = gl.constexpr(_SPLIT_SIGN.format(shift=1, mask="0x3F803F80", **_F16))
 _COPIED_BF16 = gl.constexpr(_COPIED_SIGN.format(shift=4, mask="0x87F087F0", **_BF16))
 _COPIED_F16 = gl.constexpr(_COPIED_SIGN.format(shift=7, mask="0xBF80BF80", **_F16))
+_RAW_BF16 = gl.constexpr(_COPIED_SIGN_RAW.format(shift=4, mask="0x87F087F0"))
+_RAW_F16 = gl.constexpr(_COPIED_SIGN_RAW.format(shift=7, mask="0xBF80BF80"))
+# log2 of what the raw form's values must be multiplied by.
+RAW_EXP_BF16 = 120
+RAW_EXP_F16 = 8
 
 
 @gluon.jit
-def e4m3_bits_to(bits, dtype: gl.constexpr, COPIED_SIGN: gl.constexpr = False):
+def e4m3_bits_to(bits, dtype: gl.constexpr, COPIED_SIGN: gl.constexpr = False,
+                 RAW: gl.constexpr = False):
     """uint8 e4m3 codes -> dtype (bf16 or fp16) values, same shape and layout, in the
-    split-sign form or (COPIED_SIGN) the copied-sign one."""
-    if dtype == gl.bfloat16:
-        wide = gl.inline_asm_elementwise(_COPIED_BF16 if COPIED_SIGN else _SPLIT_BF16,
-                                         "=r,=r,r", [bits], dtype=gl.bfloat16, is_pure=True,
-                                         pack=4)
+    split-sign form or (COPIED_SIGN) the copied-sign one; RAW: the copied-sign form's
+    values before the multiply, 2^-RAW_EXP_* of the codes'."""
+    BF16: gl.constexpr = dtype == gl.bfloat16
+    if RAW:
+        asm: gl.constexpr = _RAW_BF16 if BF16 else _RAW_F16
+    elif COPIED_SIGN:
+        asm: gl.constexpr = _COPIED_BF16 if BF16 else _COPIED_F16
     else:
-        wide = gl.inline_asm_elementwise(_COPIED_F16 if COPIED_SIGN else _SPLIT_F16,
-                                         "=r,=r,r", [bits], dtype=gl.float16, is_pure=True,
-                                         pack=4)
+        asm: gl.constexpr = _SPLIT_BF16 if BF16 else _SPLIT_F16
+    wide = gl.inline_asm_elementwise(asm, "=r,=r,r", [bits], dtype=dtype.value, is_pure=True,
+                                     pack=4)
     return wide
 
 

@@ -53,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
+    RAW_EXP_BF16,
+    RAW_EXP_F16,
     STAGES,
     allocate_ring,
     e4m3_bits_to,
@@ -74,6 +76,26 @@ FP8_WORKER_REGS = gl.constexpr(96)
 # q's first latent half as the first product's register operand (no spills at 152;
 # the output warpgroups keep 168).
 SCORE_REGS = gl.constexpr(152)
+
+
+# fp8: q is scaled by 2^Q_EXP_BF16 (bf16) so that the products of the widener's raw
+# values (2^-120 of the codes' in bf16, which saves its multiply) stay in float32's
+# normal range: S comes out 2^(Q_EXP - 120) times its value, P is made 2^Q_EXP times
+# its value (the exponent's offset), so O comes out 2^(Q_EXP - 120) and l 2^Q_EXP
+# times theirs, all undone in the scales. 32 keeps |q| up to 2^96 finite and loses
+# only S and O values below 2^-38 to float32's subnormals. fp16 values come out 2^-8
+# of the codes', and q and P are left alone.
+Q_EXP_BF16 = 32
+
+
+def _fp8_exponents(dtype: torch.dtype | None) -> dict[str, int]:
+    """The kernel's Q_EXP and RAW_EXP for an fp8 cache and q of `dtype` (None: a
+    16-bit cache, no scaling)."""
+    if dtype is None:
+        return {"Q_EXP": 0, "RAW_EXP": 0}
+    if dtype == torch.bfloat16:
+        return {"Q_EXP": Q_EXP_BF16, "RAW_EXP": RAW_EXP_BF16}
+    return {"Q_EXP": 0, "RAW_EXP": RAW_EXP_F16}
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
@@ -176,9 +198,9 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
                               R, PAGE, PAGE_ROWS, rope)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype, True))
-        ring_b.index(slot).store(e4m3_bits_to(codes_b, ring_a.dtype, True))
-        ring_r.index(slot).store(e4m3_bits_to(codes_r, ring_a.dtype, True))
+        ring_a.index(slot).store(e4m3_bits_to(codes_a, ring_a.dtype, True, True))
+        ring_b.index(slot).store(e4m3_bits_to(codes_b, ring_a.dtype, True, True))
+        ring_r.index(slot).store(e4m3_bits_to(codes_r, ring_a.dtype, True, True))
         # Order the stores before the products' reads (through the async proxy).
         fence_async_shared()
         mbarrier.arrive(ready.index(slot), count=1)
@@ -187,7 +209,8 @@ def _widen(data_ptr, table_row, stride_row, ring_a, ring_b, ring_r, ready, empty
 @gluon.jit
 def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_smem,
            l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len, q_len, num_heads, group,
-           qk_scale, q_ptr, q_begin, num_rows, stride_qt, stride_qh, ZERO_TAIL: gl.constexpr):
+           qk_scale, q_ptr, q_begin, num_rows, stride_qt, stride_qh, ZERO_TAIL: gl.constexpr,
+           P_EXP: gl.constexpr):
     """Score warpgroup: S = Q K^T per tile, online softmax (base 2), P and alpha to the
     output warpgroups. Tile i is in buffer i % NBUF of ring_a / ring_b / ring_r (copied
     there, or with fp8 widened into it), signalled by `ready`. ZERO_TAIL: the
@@ -245,7 +268,8 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
         # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s * qk_scale - m_safe[:, None])
+        # P and l: 2^P_EXP times their values
+        p = gl.exp2(s * qk_scale - (m_safe - P_EXP)[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         # P(i - 1) and alpha(i - 1) are free once the output warpgroups multiplied.
@@ -299,8 +323,8 @@ def _decode_heads_kernel(
     num_heads, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, STAGES: gl.constexpr, IS_FP8: gl.constexpr,
-    PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr,
-    num_warps: gl.constexpr,
+    PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr, Q_EXP: gl.constexpr,
+    RAW_EXP: gl.constexpr, num_warps: gl.constexpr,
 ):
     """One (head group of BLOCK_H rows, piece), as `decode._decode_partial_kernel`. A
     16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
@@ -339,7 +363,7 @@ def _decode_heads_kernel(
         mbarrier.init(handoff.index(k), count=1)
 
     q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
-                           BLOCK_H, L, HALF_L, R, rows)
+                           BLOCK_H, L, HALF_L, R, rows, 2.0 ** Q_EXP)
     p_smem = gl.allocate_shared_memory(
         compute, [BLOCK_H, TILE_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], compute))
@@ -354,7 +378,7 @@ def _decode_heads_kernel(
     qk_scale = softmax_scale * 1.4426950408889634
     if IS_FP8:
         kv_scale = gl.load(scale_ptr)
-        qk_scale = qk_scale * kv_scale
+        qk_scale = qk_scale * kv_scale * 2.0 ** (RAW_EXP - Q_EXP)
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
     # (Argument tuples written out in each call: a tuple held in a variable would turn
     # the constexpr layouts into tensors.)
@@ -365,7 +389,7 @@ def _decode_heads_kernel(
             (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
                       q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
-                      stride_qh, False)),
+                      stride_qh, False, Q_EXP)),
             (_widen, (codes_ptr, table_row, stride_cp, ring_a, ring_b, ring_r, ready, empty,
                       lo, hi, num_tiles, PAGE, PAGE_ROWS, PF_ROWS)),
         ], [4, 4], [FP8_WORKER_REGS, FP8_WORKER_REGS])
@@ -376,7 +400,7 @@ def _decode_heads_kernel(
             (_score, (ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem,
                       m_smem, l_smem, p_ready, p_free, done, lo, hi, num_tiles, seq_len,
                       q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
-                      stride_qh, True)),
+                      stride_qh, True, 0)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                              table_row, lo, hi, num_tiles, PAGE, STAGES)),
         ], [4, 1], [SCORE_REGS, 24])
@@ -385,10 +409,12 @@ def _decode_heads_kernel(
     m_i = m_smem.load(gl.SliceLayout(1, mma))
     l_i = l_smem.load(gl.SliceLayout(1, mma))
     has_key = l_i > 0.0
-    norm = 1.0 / gl.where(has_key, l_i, 1.0)
-    if IS_FP8:
-        norm = norm * kv_scale
-    lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+    if IS_FP8:  # O and l are 2^(Q_EXP - RAW_EXP) and 2^Q_EXP times their values
+        norm = 2.0 ** RAW_EXP / gl.where(has_key, l_i, 1.0) * kv_scale
+    else:
+        norm = 1.0 / gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key,
+                   (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - Q_EXP) * 0.6931471805599453,
                    float("-inf"))  # natural log
     r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
     row_ok = r_out < num_rows
@@ -437,4 +463,5 @@ def decode_partial(
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
         STAGES=STAGES, IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
         PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
+        **_fp8_exponents(q.dtype if is_fp8 else None),
     )
