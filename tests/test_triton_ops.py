@@ -227,6 +227,15 @@ def test_decode_many_pieces_merge_in_chunks(monkeypatch: pytest.MonkeyPatch) -> 
     _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=100)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf])
+def test_decode_rejects_a_softmax_scale_that_is_not_finite_and_positive(scale: float) -> None:
+    # The 64-row kernel scales each row's maximum rather than every score, which holds
+    # only for a positive scale: the op refuses the others before any kernel runs.
+    args = _decode_case([1], [5], 4, 64, 16, 16, torch.float32, torch.float32, seed=34)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        mla_decode(*args[:-1], scale)
+
+
 def test_combine_blocks_fit_the_real_piece_count() -> None:
     # B = 1 at N = 128 on 132 SMs: the plan allows 66 pieces (two head groups) and cuts a
     # 64k request into 64, so one load should hold 64 pieces, not 128 (half masked).
