@@ -416,25 +416,32 @@ def _decode_heads_kernel(
     lse = gl.where(has_key,
                    (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - Q_EXP) * 0.6931471805599453,
                    float("-inf"))  # natural log
-    r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
+    # Stored from a row-contiguous layout (a warp's store covers 128 columns of one
+    # row), through shared memory: straight from the mma layout each store touched
+    # eight rows, 32 bytes of each (2-3% slower where a request is one piece).
+    store: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    out_a = gl.convert_layout(acc_a * norm[:, None], store)
+    out_b = gl.convert_layout(acc_b * norm[:, None], store)
+    r_out = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, store))
+    lse = gl.convert_layout(lse, gl.SliceLayout(1, store))
     row_ok = r_out < num_rows
-    out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, mma))
+    out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, store))
     if pieces == 1:
         token = (q_begin + r_out // num_heads).to(gl.int64)
         head = (r_out % num_heads).to(gl.int64)
         out_rows = out_ptr + token * stride_ot + head * stride_oh
-        gl.store(out_rows[:, None] + out_cols[None, :],
-                 (acc_a * norm[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        gl.store(out_rows[:, None] + out_cols[None, :], out_a.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
         gl.store(out_rows[:, None] + HALF_L + out_cols[None, :],
-                 (acc_b * norm[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out_b.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:  # a partial with no visible key is never read: not stored
         at = r_out.to(gl.int64) * gl.num_programs(1) + piece
-        store_ok = row_ok & has_key
-        gl.store(part_ptr + at[:, None] * L + out_cols[None, :], acc_a * norm[:, None],
+        store_ok = row_ok & (lse > float("-inf"))
+        gl.store(part_ptr + at[:, None] * L + out_cols[None, :], out_a,
                  mask=store_ok[:, None])
-        gl.store(part_ptr + at[:, None] * L + HALF_L + out_cols[None, :],
-                 acc_b * norm[:, None], mask=store_ok[:, None])
+        gl.store(part_ptr + at[:, None] * L + HALF_L + out_cols[None, :], out_b,
+                 mask=store_ok[:, None])
         gl.store(part_lse_ptr + at, lse, mask=row_ok)
 
 
