@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
@@ -458,6 +459,7 @@ def _decode_combine_kernel(
     stride_lh, stride_lt,
     num_heads, num_splits,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (column block, head x token, cut request): merge its pieces by lse.
 
@@ -468,7 +470,9 @@ def _decode_combine_kernel(
     together; a piece with lse -inf or +inf (no visible key) was not written and gets
     weight 0 (what was loaded for it is dropped). ALL_SPLITS (decode context parallel
     partials, `merge_partials`): entry k is token k, whose num_splits partials all
-    count, at its own token index; cut is not read.
+    count, at its own token index; cut is not read. PDL: launched as a programmatic
+    dependent of stage 1 (`launch_pdl`), so it may start before stage 1 ends; it waits
+    for stage 1 (griddepcontrol.wait) before reading the partials.
     """
     col_block = tl.program_id(0)
     head = tl.program_id(1) % num_heads
@@ -494,6 +498,8 @@ def _decode_combine_kernel(
     part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
                + cols[None, :])
     lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
+    if PDL:  # launched before stage 1 finished: wait for its partials
+        gdc_wait()
     peak = tl.full([], float("-inf"), tl.float32)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_C], tl.float32)
@@ -691,6 +697,9 @@ def mla_decode(
     if not cut:
         return out, lse
     max_cut = plan.cut.shape[0]
+    # The Gluon kernels let the combine launch once their tiles are done (programmatic
+    # dependent launch); it waits for stage 1 before reading the partials.
+    pdl = hopper is not None
     # A cut request has about programs / max_cut pieces (every one of the plan's, when
     # one request is cut).
     block_c, block_s = combine_blocks(
@@ -702,8 +711,8 @@ def mla_decode(
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, plan.max_pieces,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False,
-        num_warps=COMBINE_WARPS,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, PDL=pdl,
+        num_warps=COMBINE_WARPS, launch_pdl=pdl,
     )
     return out, lse
 
@@ -730,7 +739,7 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
         N, D,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, PDL=False,
         num_warps=COMBINE_WARPS,
     )
     return merged

@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
@@ -521,6 +522,7 @@ def _decode_partial_ws_kernel(
                              table_row, lo, hi, num_tiles, PAGE, STAGES)),
         ], [1], [24])
 
+    gdc_launch_dependents()  # the combine may launch now; it waits for this grid
     has_key = l_i > 0.0
     norm = 1.0 / gl.where(has_key, l_i, 1.0)
     if IS_FP8:

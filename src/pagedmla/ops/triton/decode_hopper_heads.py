@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode_hopper import (
@@ -406,6 +407,7 @@ def _decode_heads_kernel(
         ], [4, 1], [SCORE_REGS, 24])
 
     mbarrier.wait(done, 0)
+    gdc_launch_dependents()  # the combine may launch now; it waits for this grid
     m_i = m_smem.load(gl.SliceLayout(1, mma))
     l_i = l_smem.load(gl.SliceLayout(1, mma))
     has_key = l_i > 0.0
