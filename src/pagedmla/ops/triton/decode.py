@@ -112,16 +112,17 @@ class DecodeConfig:
 #   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (rows widened
 #   from registers into 64-position tiles) N = 128, B = 64 x 4k 337 -> 207 us, N = 32
 #   683 -> 393 us.
-# * min_chunk of rows64: 128 positions (two tiles), where 512 left SMs idle on one
-#   short request: B = 1, N = 128 at 4k 30.3 -> 24.1 us, 16k 35.1 -> 30.0, fp8 16k
-#   40.7 -> 31.7; B = 4 x 4k 33.2 -> 29.1; 32k and longer unchanged (64 would gain
-#   another 0.6 us at 4k only). rows16 keeps 256: 128 is 10% faster at B = 1 x 8k but
-#   2% slower at B = 4 x 8k.
+# * min_chunk of rows64 and rows32: 128 positions (two tiles), where 512 (rows64) left
+#   SMs idle on one short request: B = 1, N = 128 at 4k 30.3 -> 24.1 us, 16k 35.1 ->
+#   30.0, fp8 16k 40.7 -> 31.7; B = 4 x 4k 33.2 -> 29.1; 32k and longer unchanged (64
+#   would gain another 0.6 us at 4k only). rows32 against its 256: B = 1, N = 32, 8k
+#   22.4 -> 20.9, B = 4 x 4k unchanged (rows32-fp8, the same kernel, not timed). rows16
+#   keeps 256: 128 is 4-14% faster at B = 1-2 but 1.5-2.5% slower at B = 4 x 8k.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
     "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),
-    "rows32": DecodeConfig(32, 64, 4, 2, 256, 1, swap_ab=True, hopper=True),
-    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 256, 1, hopper=True),
+    "rows32": DecodeConfig(32, 64, 4, 2, 128, 1, swap_ab=True, hopper=True),
+    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 128, 1, hopper=True),
     "rows64": DecodeConfig(64, 64, 8, 2, 128, 1, prefetch=2, hopper=True),
     "rows64-fp8": DecodeConfig(64, 64, 8, 2, 128, 1, paged=False, hopper=True),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
