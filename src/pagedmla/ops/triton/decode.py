@@ -610,7 +610,9 @@ def mla_decode(
     """Absorbed MQA over the paged latent cache (as `reference.mla_decode`).
 
     q [T, N, L + R]; data [num_blocks, block_size, L + R] (q's dtype or fp8, scaled by
-    `scale` [] float32 in the kernel); block_table int32 [B, max_blocks]; seq_lens int32
+    `scale` [] float32 in the kernel: finite and positive, as `LatentKVCache` makes it
+    and the 64-row kernel's softmax needs; a device value, so not checked here, which
+    would cost a host sync); block_table int32 [B, max_blocks]; seq_lens int32
     [B]; query_start_loc int32 [B + 1]. Token i of request b sees positions
     < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] (q dtype), lse [N, T] float32.
 
