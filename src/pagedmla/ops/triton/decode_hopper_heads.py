@@ -217,7 +217,9 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
     there, or with fp8 widened into it), signalled by `ready`. ZERO_TAIL: the
     slice's last, partial tile is zeroed in place first (its slots past seq_len may hold
     NaN, and the output warpgroups read it as V; the fp8 widener zeroes them itself).
-    At the end the running max and sum go to m_smem and l_smem."""
+    qk_scale (> 0: it scales row maxima, not each score) takes S to base-2 logits; P and
+    the sum come out 2^P_EXP times their values (fp8, see Q_EXP_BF16). At the end the
+    running max and sum go to m_smem and l_smem."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     NBUF: gl.constexpr = ring_a.type.shape[0]
     ROWS: gl.constexpr = q_a.type.shape[0]
