@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla.device import resolve_device
+from pagedmla.validation import positive_finite
 
 FP8_DTYPE = torch.float8_e4m3fn
 _FP8_NAMES = ("fp8", "fp8_e4m3")
@@ -61,9 +62,7 @@ class LatentKVCache:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        scale = float(scale)
-        if not (scale > 0.0 and scale < float("inf")):
-            raise ValueError(f"scale must be a finite positive number, got {scale}")
+        scale = positive_finite("scale", scale)
         self.dtype = dtype
         self.cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
         self.num_blocks = num_blocks

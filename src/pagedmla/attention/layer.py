@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -13,6 +11,7 @@ from pagedmla.cache import MODEL_DTYPES, LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.metadata import MLAMetadata
 from pagedmla.ops import Backend, get_backend
+from pagedmla.validation import positive_finite
 
 
 def _expect_tensor(name: str, value: object, shape: tuple[int, ...]) -> torch.Tensor:
@@ -48,12 +47,10 @@ class MLAAttention(nn.Module):
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be MLADims, got {type(dims).__name__}")
         self.dims = dims
-        self.softmax_scale = float(
-            softmax_scale if softmax_scale is not None else dims.qk_head_dim**-0.5
+        self.softmax_scale = positive_finite(
+            "softmax_scale",
+            softmax_scale if softmax_scale is not None else dims.qk_head_dim**-0.5,
         )
-        if not (0.0 < self.softmax_scale < math.inf):
-            raise ValueError(
-                f"softmax_scale must be a finite positive number, got {softmax_scale}")
         get_backend(backend, "cpu")  # reject unknown names now, not at the first step
         self.backend = backend
         # Empty until set_kv_b_proj: a model builds its layers before loading weights.

@@ -32,7 +32,6 @@ final output from stage 1, and the combine skips it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,6 +53,7 @@ from pagedmla.ops.triton._utils import (
     split_pow2,
 )
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, plan_splits
+from pagedmla.validation import positive_finite
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
               torch.bfloat16: tl.bfloat16}
@@ -625,8 +625,8 @@ def mla_decode(
     and the kernel config (tuning, tests).
     """
     check_device(q, data)
-    if not (0.0 < softmax_scale < math.inf):  # the 64-row kernel scales row maxima
-        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    # (Positive: the 64-row kernel scales row maxima.)
+    softmax_scale = positive_finite("softmax_scale", softmax_scale)
     num_tokens, num_heads, width = q.shape
     L = kv_lora_rank
     R = width - L
