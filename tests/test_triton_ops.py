@@ -70,6 +70,7 @@ from pagedmla.ops.triton import (
 from pagedmla.ops.triton._utils import INTERPRETED, cdiv, multiprocessor_count
 from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
+    FEW_REQUESTS,
     DecodeConfig,
     _page_descriptors,
     hopper_kernel,
@@ -309,6 +310,23 @@ def test_decode_padded_request_is_harmless(config: DecodeConfig) -> None:
     qsl = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=q.device)
     args[3:6] = table, seq_lens, qsl
     _check_decode(tuple(args), torch.float32, config=config, num_splits=3)
+
+
+@runnable
+def test_decode_few_requests_take_shorter_pieces() -> None:
+    # A config's few_min_chunk replaces its min_chunk for batches of at most
+    # FEW_REQUESTS requests (one or two requests in 256-position pieces left SMs idle),
+    # and larger batches keep min_chunk: the plan kept in `plans` records which one it
+    # was made with (its key's seventh field). The outputs match the reference.
+    cfg = replace(TINY_DECODE, min_chunk=64, few_min_chunk=16)
+    for lens, want in (([200], 16), ([200, 90], 16), ([200, 90, 5], 64)):
+        assert (len(lens) <= FEW_REQUESTS) == (want == 16)
+        args = _decode_case([1] * len(lens), lens, 4, 32, 16, 16, torch.float32,
+                            torch.float32, seed=70 + len(lens))
+        plans: dict = {}
+        _check_decode(args, torch.float32, config=cfg, plans=plans)
+        (key,) = plans
+        assert key[6] == want
 
 
 def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,

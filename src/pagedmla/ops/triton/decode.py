@@ -65,14 +65,16 @@ class DecodeConfig:
 
     block_h: query rows (heads x tokens) per program; block_n: positions per tile;
     min_chunk: fewest positions a piece covers (bounds the partial-output traffic per
-    byte of cache read); programs_per_sm: programs one multiprocessor holds at once, for
-    the split plan; swap_ab: compute S^T = K Q^T and O^T = V^T P^T (positions as the
-    MMA's M dimension), which suits few heads per program (see the kernel); paged: copy
-    whole tiles with the bulk tensor copy engine (TMA) where the page size and layout
-    allow (see `_page_descriptors`), else gather rows through the block table; prefetch:
-    with bulk copies on a GPU, ask L2 for the tile this many tiles ahead (0: off);
-    hopper: on a Hopper GPU, run stage 1 as the warp-specialized Gluon kernel that
-    supports the call (`hopper_kernel`; else this config's Triton kernel).
+    byte of cache read); few_min_chunk: min_chunk instead for batches of at most
+    FEW_REQUESTS requests (None: the same); programs_per_sm: programs one multiprocessor
+    holds at once, for the split plan; swap_ab: compute S^T = K Q^T and O^T = V^T P^T
+    (positions as the MMA's M dimension), which suits few heads per program (see the
+    kernel); paged: copy whole tiles with the bulk tensor copy engine (TMA) where the
+    page size and layout allow (see `_page_descriptors`), else gather rows through the
+    block table; prefetch: with bulk copies on a GPU, ask L2 for the tile this many
+    tiles ahead (0: off); hopper: on a Hopper GPU, run stage 1 as the warp-specialized
+    Gluon kernel that supports the call (`hopper_kernel`; else this config's Triton
+    kernel).
     """
 
     block_h: int
@@ -85,6 +87,7 @@ class DecodeConfig:
     paged: bool = True
     prefetch: int = 0
     hopper: bool = False
+    few_min_chunk: int | None = None
 
 
 # Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
@@ -117,10 +120,14 @@ class DecodeConfig:
 #   30.0, fp8 16k 40.7 -> 31.7; B = 4 x 4k 33.2 -> 29.1; 32k and longer unchanged (64
 #   would gain another 0.6 us at 4k only). rows32 against its 256: B = 1, N = 32, 8k
 #   22.4 -> 20.9, B = 4 x 4k unchanged (rows32-fp8, the same kernel, not timed). rows16
-#   keeps 256: 128 is 4-14% faster at B = 1-2 but 1.5-2.5% slower at B = 4 x 8k.
+#   keeps 256 (128 is 1.5-2.5% slower at B = 4 x 8k) except for one or two requests
+#   (few_min_chunk), where 128 is 4-14% faster: bf16 B = 1 x 8k 18.2 -> 16.5 us, fp8
+#   20.5 -> 17.7, B = 2 x 8k 20.5 -> 19.6.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True),
-    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True),
+    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True,
+                           few_min_chunk=128),
+    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True,
+                               few_min_chunk=128),
     "rows32": DecodeConfig(32, 64, 4, 2, 128, 1, swap_ab=True, hopper=True),
     "rows32-fp8": DecodeConfig(32, 64, 8, 2, 128, 1, hopper=True),
     "rows64": DecodeConfig(64, 64, 8, 2, 128, 1, prefetch=2, hopper=True),
@@ -128,6 +135,7 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
 }
+FEW_REQUESTS = 2  # batches this small use a config's few_min_chunk
 COMBINE_ELEMENTS = 4096  # splits x columns per combine program
 COMBINE_WARPS = 4
 
@@ -657,12 +665,16 @@ def mla_decode(
     head_groups = cdiv(rows_per_req, block_h)
     num_sms = multiprocessor_count(q.device)
     slots = num_sms * cfg.programs_per_sm
+    # One or two requests leave SMs idle unless cut finer (the batch size is a host
+    # int, fixed in a CUDA graph, so this is graph-safe).
+    min_chunk = (cfg.few_min_chunk if cfg.few_min_chunk is not None
+                 and num_reqs <= FEW_REQUESTS else cfg.min_chunk)
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
-           cfg.min_chunk, block_h, num_splits)
+           min_chunk, block_h, num_splits)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
-                           block_n, cfg.min_chunk, block_h, num_splits)
+                           block_n, min_chunk, block_h, num_splits)
         if plans is not None:
             plans[key] = plan
     # fp8 widens to float16 (one instruction per two values; e4m3 is exact in float16)
