@@ -89,6 +89,14 @@ class DecodeConfig:
     hopper: bool = False
     few_min_chunk: int | None = None
 
+    def min_chunk_for(self, num_reqs: int) -> int:
+        """min_chunk for a batch of num_reqs requests: few_min_chunk for at most
+        FEW_REQUESTS of them, which would otherwise leave SMs idle (a host int, fixed in
+        a CUDA graph, so the choice is graph-safe)."""
+        if self.few_min_chunk is not None and num_reqs <= FEW_REQUESTS:
+            return self.few_min_chunk
+        return self.min_chunk
+
 
 # Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
 # --sweep-configs decode` times a set of them). Chosen from sweeps on an H200 (Triton
@@ -665,10 +673,7 @@ def mla_decode(
     head_groups = cdiv(rows_per_req, block_h)
     num_sms = multiprocessor_count(q.device)
     slots = num_sms * cfg.programs_per_sm
-    # One or two requests leave SMs idle unless cut finer (the batch size is a host
-    # int, fixed in a CUDA graph, so this is graph-safe).
-    min_chunk = (cfg.few_min_chunk if cfg.few_min_chunk is not None
-                 and num_reqs <= FEW_REQUESTS else cfg.min_chunk)
+    min_chunk = cfg.min_chunk_for(num_reqs)
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
            min_chunk, block_h, num_splits)
     plan = plans.get(key) if plans is not None else None
