@@ -1,4 +1,4 @@
-"""The fp8 Hopper kernels widen e4m3 codes with inline PTX (`decode_hopper`'s split-sign
+"""The fp8 Hopper kernels widen e4m3 codes with inline PTX (`e4m3`'s split-sign
 and copied-sign forms, and the copied-sign form without its multiply, for bf16 and
 fp16). The interpreter cannot run inline assembly,
 so on the CPU these tests execute the kernels' PTX text with a small model of the six
@@ -14,17 +14,17 @@ import re
 import pytest
 import torch
 
-from pagedmla.ops.triton import decode_hopper
+from pagedmla.ops.triton import e4m3
 
 MASK32 = 0xFFFFFFFF
 # (form, dtype) -> (the asm, log2 of the factor its values are short of the codes')
 FORMS = {
-    ("split", torch.bfloat16): (decode_hopper._SPLIT_BF16, 0),
-    ("split", torch.float16): (decode_hopper._SPLIT_F16, 0),
-    ("copied", torch.bfloat16): (decode_hopper._COPIED_BF16, 0),
-    ("copied", torch.float16): (decode_hopper._COPIED_F16, 0),
-    ("raw", torch.bfloat16): (decode_hopper._RAW_BF16, decode_hopper.RAW_EXP_BF16),
-    ("raw", torch.float16): (decode_hopper._RAW_F16, decode_hopper.RAW_EXP_F16),
+    ("split", torch.bfloat16): (e4m3._SPLIT_BF16, 0),
+    ("split", torch.float16): (e4m3._SPLIT_F16, 0),
+    ("copied", torch.bfloat16): (e4m3._COPIED_BF16, 0),
+    ("copied", torch.float16): (e4m3._COPIED_F16, 0),
+    ("raw", torch.bfloat16): (e4m3._RAW_BF16, e4m3.RAW_EXP_BF16),
+    ("raw", torch.float16): (e4m3._RAW_F16, e4m3.RAW_EXP_F16),
 }
 
 

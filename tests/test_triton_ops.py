@@ -104,6 +104,10 @@ TINY_CONFIGS = pytest.mark.parametrize(
     ids=["qk", "swapped", "gathered"])
 ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 2e-3}
+# lse of the fp8 16-row kernel, which multiplies e4m3 terms of q (within 2^-8 of each
+# entry, about one more bf16 rounding of q): its scores, and so lse, are within ~2^-8 of
+# their size, 2.5e-3 at most in these tests' scores of size ~1 (measured on an H200).
+E4M3_PRODUCTS_LSE_ATOL = 6e-3
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -163,9 +167,19 @@ def _decode_case(
     return args
 
 
+def _e4m3_products(args, config: DecodeConfig | None) -> bool:
+    """Whether mla_decode(*args, config=config) runs the fp8 16-row kernel."""
+    q, data = args[0], args[1]
+    kernel = (hopper_kernel(q, data, q.shape[1] * args[6], args[8])
+              if config is None or config.hopper else None)
+    return kernel is not None and kernel.__name__.endswith(".decode_hopper_fp8")
+
+
 def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
     _poison_allocator(str(args[0].device))
     out, lse = mla_decode(*args, **kwargs)
+    lse_atol = (E4M3_PRODUCTS_LSE_ATOL if _e4m3_products(args, kwargs.get("config"))
+                else LSE_ATOL[dtype])
     # (The reference views the cache as rows: give it a contiguous copy.)
     want_out, want_lse = ref.mla_decode(args[0], args[1].contiguous(), *args[2:])
     assert out.shape == want_out.shape and out.dtype == want_out.dtype
@@ -175,7 +189,7 @@ def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
         assert relative_error(out, want_out.double()) < 1e-2
     else:
         torch.testing.assert_close(out.float(), want_out.float(), atol=ATOL[dtype], rtol=0)
-    torch.testing.assert_close(lse, want_lse, atol=LSE_ATOL[dtype], rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=lse_atol, rtol=1e-5)
 
 
 # --- decode ------------------------------------------------------------------------------
@@ -822,14 +836,16 @@ def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: in
     # the 16-row kernel up to 16 query rows, the 64-row one above; 16-bit q; a cache of
     # q's dtype or fp8; pages the copies can fill tiles from (a multiple of 8 rows),
     # except fp8 in the 64-row kernel, whose widener loads rows of any page.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
+    # `decode.hopper_kernel` takes the first of its modules that supports the call: the
+    # e4m3-product kernel for an fp8 cache up to 16 rows.
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8, decode_hopper_heads
 
     q = torch.zeros(1, num_rows, L + 64, dtype=q_dtype)
     data = torch.zeros(3, page, L + 64).to(cache)
-    chosen = [m for m in (decode_hopper, decode_hopper_heads)
-              if m.supported(q, data, num_rows, L)]
-    want = {None: [], "16": [decode_hopper], "64": [decode_hopper_heads]}[takes]
-    assert chosen == want
+    chosen = next((m for m in (decode_hopper_fp8, decode_hopper, decode_hopper_heads)
+                   if m.supported(q, data, num_rows, L)), None)
+    rows16 = decode_hopper_fp8 if cache == FP8 else decode_hopper
+    assert chosen is {None: None, "16": rows16, "64": decode_hopper_heads}[takes]
 
 
 @pytest.mark.parametrize(
@@ -885,13 +901,14 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
     # lengths of one tile exactly, one past it, partial last tiles (NaN slots after
     # them), multi-token rows; direct output, forced splits and the planner's. It must
     # match the reference and the Triton kernel of the same config.
-    from pagedmla.ops.triton import decode_hopper
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8
 
     seq_lens = [max(q_lens), 65, 64, 1000, 4097, 333]
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
                         cache_dtype, seed=800 + block_size + num_heads)
-    assert hopper_kernel(args[0], args[1], num_heads * max(q_lens), 512) is decode_hopper
+    kernel = decode_hopper_fp8 if cache == "fp8" else decode_hopper
+    assert hopper_kernel(args[0], args[1], num_heads * max(q_lens), 512) is kernel
     _check_hopper_decode(args, num_heads * max(q_lens), cache == "fp8", num_splits)
 
 
@@ -905,7 +922,8 @@ def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
     ours = mla_decode(*args, num_splits=num_splits)
     theirs = mla_decode(*args, num_splits=num_splits, config=replace(config, hopper=False))
     assert relative_error(ours[0], theirs[0].double()) < 1e-2
-    torch.testing.assert_close(ours[1], theirs[1], atol=2e-3, rtol=1e-5)
+    lse_atol = E4M3_PRODUCTS_LSE_ATOL if _e4m3_products(args, None) else 2e-3
+    torch.testing.assert_close(ours[1], theirs[1], atol=lse_atol, rtol=1e-5)
 
 
 @pytest.mark.cuda
@@ -968,7 +986,7 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
     # signs, +-448) and expect each exactly (e4m3 values are exact in bf16 and fp16;
     # compared as values: -0 comes back as +0 from the accumulator). 16 heads: the
     # 16-row kernel; 128: the 64-row one.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
+    from pagedmla.ops.triton import decode_hopper_fp8, decode_hopper_heads
 
     L, R, page = 512, 64, 64
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
@@ -981,11 +999,44 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
             torch.tensor([[1]], dtype=torch.int32, device="cuda"),
             torch.tensor([1], dtype=torch.int32, device="cuda"),
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, 1, L, (L + R) ** -0.5)
-    kernel = decode_hopper if num_heads == 16 else decode_hopper_heads
+    kernel = decode_hopper_fp8 if num_heads == 16 else decode_hopper_heads
     assert hopper_kernel(q, data, num_heads, L) is kernel
     out = mla_decode(*args)[0]
     want = row[:L].float().cuda().expand(num_heads, L)
     assert torch.equal(out[0].float(), want)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_gpu_hopper_fp8_products_keep_q(dtype: torch.dtype) -> None:
+    # The fp8 16-row kernel multiplies e4m3 codes, q included, as two e4m3 terms per
+    # entry scaled per row (within 2^-8 of each entry). Rows whose magnitudes differ by
+    # up to 2^24 (bf16) / 2^12 (fp16, whose range is smaller), entries within a row
+    # spread over 2^-12..1 of its largest, one row with scores in the hundreds (a
+    # near-one-hot softmax): the outputs must stay within the 16-bit kernels' tolerance
+    # of the float64 reference, and lse within 2^-8 of it relative to its size (the
+    # scores' own error; an e4m3 cache entry is itself only within 2^-4 of the value
+    # it stores).
+    from pagedmla.ops.triton import decode_hopper_fp8
+
+    args = list(_decode_case([1, 1, 1], [700, 4097, 64], 16, 512, 64, 64, dtype, FP8,
+                             seed=951))
+    gen = torch.Generator().manual_seed(952)
+    span = 24 if dtype == torch.bfloat16 else 12
+    row_exp = torch.linspace(-span / 2, span / 2, 16).round()
+    spread = torch.exp2(-12 * torch.rand(args[0].shape, generator=gen))
+    q = args[0].float().cpu() * spread * torch.exp2(row_exp)[None, :, None]
+    q[:, 3] *= 4096 / q[:, 3].abs().amax()  # large scores: a near-one-hot softmax
+    args[0] = q.to(args[0].device, dtype)
+    assert hopper_kernel(args[0], args[1], 16, 512) is decode_hopper_fp8
+    want_out, want_lse = ref.mla_decode(*args)
+    assert want_lse[3].abs().min() > 100
+    for num_splits in (1, None):
+        _poison_allocator("cuda")
+        out, lse = mla_decode(*args, num_splits=num_splits)
+        assert relative_error(out, want_out.double()) < 1e-2
+        torch.testing.assert_close(lse, want_lse, atol=LSE_ATOL[torch.bfloat16], rtol=2**-8)
 
 
 @pytest.mark.cuda
@@ -1015,7 +1066,7 @@ def test_decode_gpu_hopper_padded_rows(cache: str, num_heads: int) -> None:
     # The Gluon kernels on a cache whose rows are padded to 640 columns, NaN in the
     # padding: the bulk copies (16-bit) and the fp8 widener's row loads follow the row
     # stride. 16 heads: the 16-row kernel; 128: the 64-row one.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_heads
+    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8, decode_hopper_heads
 
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = list(_decode_case([1] * 4, [1, 65, 1000, 4097], num_heads, 512, 64, 64,
@@ -1024,7 +1075,8 @@ def test_decode_gpu_hopper_padded_rows(cache: str, num_heads: int) -> None:
     wide = torch.full((*data.shape[:2], 640), math.nan, device="cuda").to(cache_dtype)
     wide[..., :data.shape[2]] = data
     args[1] = wide[..., :data.shape[2]]
-    kernel = decode_hopper if num_heads == 16 else decode_hopper_heads
+    rows16 = decode_hopper_fp8 if cache == "fp8" else decode_hopper
+    kernel = rows16 if num_heads == 16 else decode_hopper_heads
     assert hopper_kernel(args[0], args[1], num_heads, 512) is kernel
     _check_hopper_decode(tuple(args), num_heads, cache == "fp8", None)
 

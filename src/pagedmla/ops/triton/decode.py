@@ -15,7 +15,8 @@ positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 6
 
 On a Hopper GPU, stage 1 runs as a warp-specialized Gluon kernel instead, with the same
 outputs: `decode_hopper` for at most 16 query rows per request (the memory-bound
-regime), `decode_hopper_heads` for more (64 rows per program). A producer
+regime; `decode_hopper_fp8` with an fp8 cache), `decode_hopper_heads` for more (64 rows
+per program). A producer
 warp streams the tiles while warpgroups compute, which plain Triton's software pipeline
 cannot express (see those modules).
 
@@ -116,8 +117,9 @@ class DecodeConfig:
 # * fp8: the tile is widened to float16 in registers, which the direct form with 8
 #   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
 #   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
-# * hopper: the Gluon kernels replace these on Hopper GPUs. rows16 (`decode_hopper`):
-#   B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 -> 266 us. rows32 and
+# * hopper: the Gluon kernels replace these on Hopper GPUs. rows16 (`decode_hopper`, fp8
+#   `decode_hopper_fp8`): B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 ->
+#   266 us (then widening e4m3 tiles; products on e4m3 codes: 231 us). rows32 and
 #   rows64 (`decode_hopper_heads`, 64 rows per program, so 32 rows pad to 64): N = 128,
 #   B = 64 x 4k 250 -> 146 us (501 TFLOP/s), B = 128 x 8k 1010 -> 544 us; N = 32, B =
 #   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (rows widened
@@ -570,10 +572,11 @@ def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, wi
 
 def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
     """The Gluon module whose warp-specialized stage 1 takes this call on a Hopper GPU:
-    `decode_hopper` for at most 16 query rows per request, `decode_hopper_heads` for
-    more; None where neither supports it (and always off Hopper, under the interpreter,
-    or where Triton lacks Gluon)."""
-    modules = gluon_modules(q.device, "decode_hopper", "decode_hopper_heads") or ()
+    for at most 16 query rows per request `decode_hopper_fp8` (fp8 cache) or
+    `decode_hopper`, `decode_hopper_heads` for more; None where none supports it (and
+    always off Hopper, under the interpreter, or where Triton lacks Gluon)."""
+    modules = gluon_modules(q.device, "decode_hopper_fp8", "decode_hopper",
+                            "decode_hopper_heads") or ()
     return next((m for m in modules if m.supported(q, data, num_rows, L)), None)
 
 

@@ -54,11 +54,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
-    RAW_EXP_BF16,
-    RAW_EXP_F16,
     STAGES,
     allocate_ring,
-    e4m3_bits_to,
     load_q,
     page_descriptors,
     pages_copyable,
@@ -66,6 +63,7 @@ from pagedmla.ops.triton.decode_hopper import (
     program_slice,
     zero_tail,
 )
+from pagedmla.ops.triton.e4m3 import RAW_EXP_BF16, RAW_EXP_F16, e4m3_bits_to
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)

@@ -1,0 +1,368 @@
+"""Stage 1 of paged latent decode on Hopper for an fp8 cache and at most 16 query rows:
+both products run on the tensor cores' e4m3 path, so the tile is never widened.
+
+Same contract as `decode_hopper` (one program per piece of a request; final output or
+float32 partials plus lse), whose producer warp, ring and slice it shares. The widening
+kernel that ran before (session 16's, in git history) turned every e4m3 tile into a
+16-bit copy before its products, and that work, not the copy, held an fp8 cache to
+~1.1x the bf16 kernel's speed (this one: 1.2-1.28x on an H200, docs/PERFORMANCE.md). Here
+the consumer warpgroup multiplies the e4m3 codes as they arrive:
+
+* S^T = K Q^T: K is the ring buffer itself (wgmma's A operand from shared memory), Q is
+  e4m3 too. A single e4m3 copy of q would keep 4 significant bits, so q is stored as two
+  e4m3 terms, q_hi = e4m3(q s) and q_lo = e4m3(q s - q_hi) with s a per-row power of two
+  putting the row's largest entry near 224: q_hi + q_lo is within 2^-8 of q s relative
+  to each entry (bf16's own rounding is 2^-9), and both terms' products add into S. The
+  scores, and so lse, are then within ~2^-8 of their size, where the widening kernels'
+  products are exact; an e4m3 cache entry is itself only within 2^-4 of what it stores.
+* O^T += V^T P^T: P is split the same way (scaled by 2^P_EXP, two terms). e4m3 wgmma
+  wants both operands K-major, and V^T's K (the positions) is the cache's row index, so
+  V^T comes from registers: each thread loads 4-byte words (4 adjacent latent columns of
+  one position) for 4 positions and transposes the 4 x 4 bytes with 8 byte permutes
+  (`_TRANSPOSE`). Which register gets which byte is set up by the shared-memory view
+  `_V_VIEW`, which labels the loaded bytes so that after the transpose they sit where
+  wgmma's A fragment wants them; the product's row index l' is a bit permutation of the
+  latent column (`_sigma`), undone when O is stored.
+
+Rows at or past the slice end may hold NaN codes (0 x NaN would reach the output): the
+slice's last, partial tile is zeroed there in place, as `decode_hopper` does for 16-bit
+caches.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.triton.decode_hopper import (
+    BLOCK_H,
+    BLOCK_N,
+    allocate_ring,
+    page_descriptors,
+    pages_copyable,
+    produce_tiles,
+    program_slice,
+    zero_tail,
+)
+from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
+
+__all__ = ["BLOCK_H", "BLOCK_N", "decode_partial", "supported"]
+
+STAGES = 4  # ring buffers of 36 KB: with q's two terms and P, 164 KB, one program per SM
+# q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
+# value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
+Q_TOP = gl.constexpr(224.0)
+P_EXP = gl.constexpr(7)
+
+# 4 x 4 byte transpose of four 32-bit words: output word i, byte j = input word j, byte i.
+_TRANSPOSE = gl.constexpr("""{
+.reg .b32 a, b, c, d;
+prmt.b32 a, $4, $5, 0x5140;
+prmt.b32 b, $6, $7, 0x5140;
+prmt.b32 $0, a, b, 0x5410;
+prmt.b32 $1, a, b, 0x7632;
+prmt.b32 c, $4, $5, 0x7362;
+prmt.b32 d, $6, $7, 0x7362;
+prmt.b32 $2, c, d, 0x5410;
+prmt.b32 $3, c, d, 0x7632;
+}""")
+
+# V^T's A operand, one 128-column block of a latent half, [128 l', 64 positions] e4m3,
+# as wgmma's fragment wants it after `_TRANSPOSE`: bytes of a word run along positions
+# (registers 0-1), and the four words of a transpose group along l' bits 3 and 6
+# (registers 2-3); lanes and warps as the A fragment of m64nNk32.
+_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    [[0, 1], [0, 2], [8, 0], [64, 0], [0, 16], [0, 32]],
+    [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [128, 64]))
+# The block's ring buffer ([64 positions, 128 columns], 128-byte swizzle) as uint8
+# [l', position] labelled for that layout before the transpose: a word holds 4 adjacent
+# columns of one position, so the labels of bytes and words swap (position bits 0-1 <->
+# l' bits 3 and 6), and l' = _sigma^-1(column) otherwise. Basis i is the label of the
+# byte at offset 2^i.
+_V_VIEW = gl.constexpr(gl.SharedLinearLayout(
+    [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0], [12, 0], [80, 0], [32, 4],
+     [0, 8], [0, 16], [0, 32]]))
+
+
+def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
+    """Whether this kernel takes the call (on a Hopper GPU): an fp8 cache of DeepSeek
+    widths (L = 512, R = 64), 16-bit q, at most BLOCK_H query rows per request, and
+    pages the copy engine can read (`decode_hopper.pages_copyable`)."""
+    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
+            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == FP8_DTYPE
+            and pages_copyable(data))
+
+
+@gluon.jit
+def _sigma(row):
+    """Latent column (within a 128-column block) of row l' of O^T: bits (l'3, l'6, l'0,
+    l'1, l'2, l'4, l'5) become the column's bits 0-6."""
+    return (((row >> 3) & 1) | (((row >> 6) & 1) << 1) | ((row & 7) << 2)
+            | (((row >> 4) & 3) << 5))
+
+
+@gluon.jit
+def _two_terms(x):
+    """x (float32) as hi + lo, both e4m3 (round to nearest): hi = e4m3(x), lo = e4m3(x -
+    hi); |x - hi - lo| <= 2^-8 |x| (plus 2^-10 below e4m3's normal range)."""
+    hi = float_to_e4m3(x)
+    lo = float_to_e4m3(x - e4m3_bits_to(hi, gl.float16).to(gl.float32))
+    return hi.to(gl.float8e4nv, bitcast=True), lo.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _q_terms(x, scale, layout: gl.constexpr):
+    """q columns x [BLOCK_H, W] times the rows' scale, as two e4m3 terms in shared memory
+    (wgmma's B operand, [BLOCK_H, W] each)."""
+    hi, lo = _two_terms(x * scale[:, None])
+    return (gl.allocate_shared_memory(gl.float8e4nv, x.shape, layout, hi),
+            gl.allocate_shared_memory(gl.float8e4nv, x.shape, layout, lo))
+
+
+@gluon.jit
+def _row_scale(amax):
+    """The power of two that puts a row's largest entry amax in (Q_TOP / 2, Q_TOP]."""
+    return gl.exp2(gl.floor(gl.log2(Q_TOP / gl.where(amax > 0.0, amax, 1.0))))
+
+
+@gluon.jit
+def _row_amax(q_rows, r_ok, col0, WIDTH: gl.constexpr, layout: gl.constexpr):
+    """max |q| over columns [col0, col0 + WIDTH) of the rows q_rows ([BLOCK_H] pointers in
+    SliceLayout(0, layout)), reduced in `layout` ([WIDTH, BLOCK_H], q transposed)."""
+    cols = col0 + gl.arange(0, WIDTH, gl.SliceLayout(1, layout))
+    x = gl.load(q_rows[None, :] + cols[:, None], mask=r_ok[None, :], other=0.0)
+    return gl.max(gl.abs(x.to(gl.float32)), 0)
+
+
+@gluon.jit
+def _v_operand(block, a_regs: gl.constexpr):
+    """V^T of one 128-column block of a tile ([128 l', TILE_N] e4m3, rows in _sigma
+    order) as wgmma's register operand."""
+    TILE_N: gl.constexpr = block.type.shape[0]
+    words = block._reinterpret(gl.uint8, [128, TILE_N], _V_VIEW).load(_V_LOAD)
+    v = gl.inline_asm_elementwise(_TRANSPOSE, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.uint8,
+                                  is_pure=True, pack=16)
+    return gl.convert_layout(v.to(gl.float8e4nv, bitcast=True), a_regs)
+
+
+@gluon.jit
+def _pv(acc, v, p_hi, p_lo, alpha):
+    """acc alpha + V^T (P_hi + P_lo)^T, issued (not waited for)."""
+    acc = warpgroup_mma(v, p_hi.permute((1, 0)), acc * alpha[None, :], is_async=True)
+    return warpgroup_mma(v, p_lo.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _consume(ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r, ql_r,
+             p_hi, p_lo, lo, hi, num_tiles, limit, qk_scale, mma: gl.constexpr,
+             rows: gl.constexpr):
+    """Consumer warpgroup: online softmax over the slice's tiles. qk_scale [BLOCK_H] takes
+    a column of S^T to base-2 logits; P and l come out 2^P_EXP times theirs.
+
+    Returns the four 128-column blocks of O^T [128 l', BLOCK_H] (unnormalised, rows in
+    _sigma order), m_i and l_i [BLOCK_H] (running max and sum, base 2)."""
+    NUM_STAGES: gl.constexpr = ring_a.type.shape[0]
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    ROWS: gl.constexpr = qh_a.type.shape[0]
+    a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    # A latent half's ring buffer is two [TILE_N, 128] column blocks (how the 128-byte
+    # swizzle stores it).
+    blocks: gl.constexpr = gl.NVMMASharedLayout(128, 8)
+    blocks_a = ring_a._reinterpret(gl.uint8, [2 * NUM_STAGES, TILE_N, 128], blocks)
+    blocks_b = ring_b._reinterpret(gl.uint8, [2 * NUM_STAGES, TILE_N, 128], blocks)
+    acc0 = gl.zeros([128, ROWS], gl.float32, mma)
+    acc1 = gl.zeros([128, ROWS], gl.float32, mma)
+    acc2 = gl.zeros([128, ROWS], gl.float32, mma)
+    acc3 = gl.zeros([128, ROWS], gl.float32, mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
+    s_init = gl.zeros([TILE_N, ROWS], gl.float32, mma)
+    for i in range(num_tiles):
+        slot = i % NUM_STAGES
+        start = lo + i * TILE_N
+        mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+        k_a = ring_a.index(slot)
+        k_b = ring_b.index(slot)
+        k_r = ring_r.index(slot)
+        if start + TILE_N > hi:
+            zero_tail(k_a, k_b, k_r, start, hi, rows)
+        s = warpgroup_mma(k_a, qh_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_a, ql_a.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_b, qh_b.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_b, ql_b.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_r, qh_r.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_r, ql_r.permute((1, 0)), s, is_async=True)
+        # V^T's loads and transposes run while S's products do.
+        v0 = _v_operand(blocks_a.index(2 * slot), a_regs)
+        v1 = _v_operand(blocks_a.index(2 * slot + 1), a_regs)
+        v2 = _v_operand(blocks_b.index(2 * slot), a_regs)
+        v3 = _v_operand(blocks_b.index(2 * slot + 1), a_regs)
+        s = warpgroup_mma_wait(0, deps=(s,))
+
+        pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, mma))
+        visible = (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
+        s = gl.where(visible, s * qk_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # A row with nothing visible yet keeps m = -inf: shift by 0 so exp2 gives 0.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - (m_safe - P_EXP)[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        hi_p, lo_p = _two_terms(p)
+        p_hi.store(gl.permute(hi_p, (1, 0)))
+        p_lo.store(gl.permute(lo_p, (1, 0)))
+        fence_async_shared()
+        acc0 = _pv(acc0, v0, p_hi, p_lo, alpha)
+        acc1 = _pv(acc1, v1, p_hi, p_lo, alpha)
+        acc2 = _pv(acc2, v2, p_hi, p_lo, alpha)
+        acc3 = _pv(acc3, v3, p_hi, p_lo, alpha)
+        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+        # The buffer's loads (generic proxy) before the producer's next copy (async).
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+    return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@gluon.jit
+def _store_block(acc, norm, block: gl.constexpr, out_cols, part_cols, row_ok, store_ok,
+                 pieces, store: gl.constexpr):
+    """Store one 128-column block of O^T [128 l', BLOCK_H] times norm, at latent columns
+    128 * block + _sigma(l'): to out (out_cols: each row's first column) for a request
+    in one piece, else to the float32 partials (part_cols)."""
+    o = gl.convert_layout(acc * norm[None, :], store)
+    col = 128 * block + _sigma(gl.arange(0, 128, gl.SliceLayout(1, store)))
+    if pieces == 1:
+        gl.store(out_cols[None, :] + col[:, None], o.to(out_cols.dtype.element_ty),
+                 mask=row_ok[None, :])
+    else:
+        gl.store(part_cols[None, :] + col[:, None], o, mask=store_ok[None, :])
+
+
+@gluon.jit
+def _decode_fp8_kernel(
+    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, out_ptr, lse_ptr,
+    part_ptr, part_lse_ptr,
+    stride_qt, stride_qh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    num_heads, softmax_scale,
+    L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
+    TILE_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """One piece, as `decode_hopper._decode_partial_ws_kernel` with an fp8 cache."""
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
+     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 32])
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    latent_layout: gl.constexpr = latent_desc.layout
+    rope_layout: gl.constexpr = rope_desc.layout
+    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
+        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R, 1)
+
+    # q's rows (row r: token r // N, head r % N; zero past num_rows), each scaled by a
+    # power of two that puts its largest entry in (Q_TOP / 2, Q_TOP].
+    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
+    r_ok = r_idx < num_rows
+    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
+              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
+    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
+    x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
+    x_b = gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None],
+                  other=0.0).to(gl.float32)
+    x_r = gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None],
+                  other=0.0).to(gl.float32)
+    q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1), gl.max(gl.abs(x_b), 1)),
+                                    gl.max(gl.abs(x_r), 1)))
+    latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L],
+                                                                  gl.float8e4nv)
+    rope_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.float8e4nv)
+    qh_a, ql_a = _q_terms(x_a, q_scale, latent_q)
+    qh_b, ql_b = _q_terms(x_b, q_scale, latent_q)
+    qh_r, ql_r = _q_terms(x_r, q_scale, rope_q)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N],
+                                                                  gl.float8e4nv)
+    p_hi = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, TILE_N], p_layout)
+    p_lo = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, TILE_N], p_layout)
+    fence_async_shared()
+
+    # Scores in base 2: the cache stores x / scale, and q is q_scale times its value.
+    # q_scale again, where S^T's columns are (the same max, so the same scale):
+    # converting q_scale's layout instead gave wrong values in some columns (Triton 3.6).
+    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
+    r_ok_mma = r_mma < num_rows
+    q_rows_mma = (q_ptr + (q_begin + r_mma // num_heads).to(gl.int64) * stride_qt
+                  + (r_mma % num_heads).to(gl.int64) * stride_qh)
+    amax_mma = gl.maximum(
+        gl.maximum(_row_amax(q_rows_mma, r_ok_mma, 0, HALF_L, mma),
+                   _row_amax(q_rows_mma, r_ok_mma, HALF_L, HALF_L, mma)),
+        _row_amax(q_rows_mma, r_ok_mma, L, R, mma))
+    kv_scale = gl.load(scale_ptr)
+    qk_scale = softmax_scale * 1.4426950408889634 * kv_scale / _row_scale(amax_mma)
+    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    limit = seq_len - q_len + r_mma // num_heads + 1
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+
+    acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
+        (_consume, (ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r, ql_r,
+                    p_hi, p_lo, lo, hi, num_tiles, limit, qk_scale, mma, rows)),
+        (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                         table_row, lo, hi, num_tiles, PAGE, STAGES)),
+    ], [1], [24])
+
+    gdc_launch_dependents()  # the combine may launch now; it waits for this grid
+    # O and l are 2^P_EXP times theirs.
+    has_key = l_i > 0.0
+    norm = kv_scale / gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key,
+                   (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - P_EXP) * 0.6931471805599453,
+                   float("-inf"))  # natural log
+    store: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, store))
+    lse = gl.convert_layout(lse, gl.SliceLayout(0, store))
+    row_ok = r_st < num_rows
+    token = (q_begin + r_st // num_heads).to(gl.int64)
+    head = (r_st % num_heads).to(gl.int64)
+    out_cols = out_ptr + token * stride_ot + head * stride_oh
+    at = r_st.to(gl.int64) * gl.num_programs(1) + piece
+    part_cols = part_ptr + at * L
+    store_ok = row_ok & (lse > float("-inf"))  # a partial with no visible key is never read
+    _store_block(acc0, norm, 0, out_cols, part_cols, row_ok, store_ok, pieces, store)
+    _store_block(acc1, norm, 1, out_cols, part_cols, row_ok, store_ok, pieces, store)
+    _store_block(acc2, norm, 2, out_cols, part_cols, row_ok, store_ok, pieces, store)
+    _store_block(acc3, norm, 3, out_cols, part_cols, row_ok, store_ok, pieces, store)
+    if pieces == 1:
+        gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:
+        gl.store(part_lse_ptr + at, lse, mask=row_ok)
+
+
+def decode_partial(
+    q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
+    L: int,
+) -> None:
+    """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`)."""
+    latent_desc, rope_desc = page_descriptors(data, L)
+    _decode_fp8_kernel[(head_groups, work.shape[0])](
+        q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
+        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
+        STAGES=STAGES, num_warps=4,
+    )
