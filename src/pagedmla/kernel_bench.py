@@ -682,7 +682,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "% ceiling: decode vs the HBM read rate, merge vs the copy rate (it reads and writes)",
         "decode µs: one CUDA-graph replay (GPU time, as in the engine's decode steps); "
         "eager µs adds Python's launch overhead; [Gluon; ...]: stage 1 ran a Hopper "
-        "kernel (decode_hopper up to 16 query rows, decode_hopper_heads above), and the "
+        "kernel (decode_hopper up to 16 query rows, decode_hopper_fp8 for an fp8 cache, "
+        "decode_hopper_heads above), and the "
         "Triton kernel's time is shown for comparison",
         "",
         "read µs: torch.sum over as many bytes as the decode moves, timed the same way",
