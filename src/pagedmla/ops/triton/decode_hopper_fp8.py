@@ -5,7 +5,8 @@ Same contract as `decode_hopper` (one program per piece of a request; final outp
 float32 partials plus lse), whose producer warp, ring and slice it shares. The widening
 kernel that ran before (session 16's, in git history) turned every e4m3 tile into a
 16-bit copy before its products, and that work, not the copy, held an fp8 cache to
-~1.1x the bf16 kernel's speed (this one: 1.2-1.28x on an H200, docs/PERFORMANCE.md). Here
+~1.1x the bf16 kernel's speed (this one: 1.18-1.28x on an H200 but for one request of
+8k-32k, docs/PERFORMANCE.md). Here
 the consumer warpgroup multiplies the e4m3 codes as they arrive:
 
 * S^T = K Q^T: K is the ring buffer itself (wgmma's A operand from shared memory), Q is
