@@ -133,6 +133,17 @@ def _times(x, SCALE: gl.constexpr):
 
 
 @gluon.jit
+def query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+               BLOCK_H: gl.constexpr, layout: gl.constexpr):
+    """Pointers to the first column of the program's BLOCK_H query rows (row r: token
+    r // N, head r % N) and whether each exists (r < num_rows), [BLOCK_H] in `layout`."""
+    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, layout)
+    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
+              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    return q_rows, r_idx < num_rows
+
+
+@gluon.jit
 def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
            BLOCK_H: gl.constexpr, L: gl.constexpr, HALF_L: gl.constexpr, R: gl.constexpr,
            rows: gl.constexpr, Q_SCALE: gl.constexpr = 1.0):
@@ -140,10 +151,8 @@ def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
     Q_SCALE (a power of two), in shared memory for wgmma: [BLOCK_H, HALF_L] x 2 and
     [BLOCK_H, R]."""
     compute: gl.constexpr = q_ptr.dtype.element_ty
-    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
-    r_ok = r_idx < num_rows
-    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
-              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    q_rows, r_ok = query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
+                              stride_qh, BLOCK_H, gl.SliceLayout(1, rows))
     cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
     cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)

@@ -52,6 +52,7 @@ from pagedmla.ops.triton.decode_hopper import (
     pages_copyable,
     produce_tiles,
     program_slice,
+    query_rows,
     zero_tail,
 )
 from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
@@ -276,10 +277,8 @@ def _decode_fp8_kernel(
 
     # q's rows (row r: token r // N, head r % N; zero past num_rows), each scaled by a
     # power of two that puts its largest entry in (Q_TOP / 2, Q_TOP].
-    r_idx = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rows))
-    r_ok = r_idx < num_rows
-    q_rows = (q_ptr + (q_begin + r_idx // num_heads).to(gl.int64) * stride_qt
-              + (r_idx % num_heads).to(gl.int64) * stride_qh)
+    q_rows, r_ok = query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
+                              stride_qh, BLOCK_H, gl.SliceLayout(1, rows))
     cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
     cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
     x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
@@ -304,10 +303,8 @@ def _decode_fp8_kernel(
     # Scores in base 2: the cache stores x / scale, and q is q_scale times its value.
     # q_scale again, where S^T's columns are (the same max, so the same scale):
     # converting q_scale's layout instead gave wrong values in some columns (Triton 3.6).
-    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
-    r_ok_mma = r_mma < num_rows
-    q_rows_mma = (q_ptr + (q_begin + r_mma // num_heads).to(gl.int64) * stride_qt
-                  + (r_mma % num_heads).to(gl.int64) * stride_qh)
+    q_rows_mma, r_ok_mma = query_rows(q_ptr, q_begin, group, num_heads, num_rows,
+                                      stride_qt, stride_qh, BLOCK_H, gl.SliceLayout(0, mma))
     amax_mma = gl.maximum(
         gl.maximum(_row_amax(q_rows_mma, r_ok_mma, 0, HALF_L, mma),
                    _row_amax(q_rows_mma, r_ok_mma, HALF_L, HALF_L, mma)),
@@ -315,6 +312,7 @@ def _decode_fp8_kernel(
     kv_scale = gl.load(scale_ptr)
     qk_scale = softmax_scale * 1.4426950408889634 * kv_scale / _row_scale(amax_mma)
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
     limit = seq_len - q_len + r_mma // num_heads + 1
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
 

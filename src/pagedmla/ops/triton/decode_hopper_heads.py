@@ -61,6 +61,7 @@ from pagedmla.ops.triton.decode_hopper import (
     pages_copyable,
     produce_tiles,
     program_slice,
+    query_rows,
     zero_tail,
 )
 from pagedmla.ops.triton.e4m3 import RAW_EXP_BF16, RAW_EXP_F16, e4m3_bits_to
@@ -235,12 +236,10 @@ def _score(ring_a, ring_b, ring_r, ready, q_a, q_b, q_r, p_smem, alpha_smem, m_s
     if ZERO_TAIL:  # 16-bit cache: the first latent half of q from registers
         a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         HALF_L: gl.constexpr = q_a.type.shape[1]
-        rq = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, a_regs))
+        q_rows, r_ok = query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
+                                  stride_qh, ROWS, gl.SliceLayout(1, a_regs))
         cq = gl.arange(0, HALF_L, gl.SliceLayout(0, a_regs))
-        q_rows = (q_ptr + (q_begin + rq // num_heads).to(gl.int64) * stride_qt
-                  + (rq % num_heads).to(gl.int64) * stride_qh)
-        q_first = gl.load(q_rows[:, None] + cq[None, :], mask=(rq < num_rows)[:, None],
-                          other=0.0)
+        q_first = gl.load(q_rows[:, None] + cq[None, :], mask=r_ok[:, None], other=0.0)
     for i in range(num_tiles):
         slot = i % NBUF
         mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
