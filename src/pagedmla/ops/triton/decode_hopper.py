@@ -108,11 +108,11 @@ def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constex
 @gluon.jit
 def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout: gl.constexpr,
                   STAGES: gl.constexpr, TILE_N: gl.constexpr, HALF_L: gl.constexpr,
-                  R: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+                  R: gl.constexpr):
     """The ring of tile buffers, latent halves [STAGES, TILE_N, L / 2] x 2 and rope
     [STAGES, TILE_N, R] of dtype in the given layouts (the copies', or 16-bit ones an
     fp8 widener fills), with a `ready` mbarrier per buffer (the filler's) and an `empty`
-    one (EMPTY_ARRIVALS readers let go of it)."""
+    one (its reader's)."""
     ring_a = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HALF_L], latent_layout)
     ring_b = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HALF_L], latent_layout)
     ring_r = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, R], rope_layout)
@@ -120,7 +120,7 @@ def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout:
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(STAGES):
         mbarrier.init(ready.index(k), count=1)
-        mbarrier.init(empty.index(k), count=EMPTY_ARRIVALS)
+        mbarrier.init(empty.index(k), count=1)
     return ring_a, ring_b, ring_r, ready, empty
 
 
@@ -323,7 +323,7 @@ def _decode_partial_ws_kernel(
     latent_layout: gl.constexpr = latent_desc.layout
     rope_layout: gl.constexpr = rope_desc.layout
     ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R, 1)
+        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
     q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
     p_smem = gl.allocate_shared_memory(

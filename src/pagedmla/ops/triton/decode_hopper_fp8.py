@@ -273,7 +273,7 @@ def _decode_fp8_kernel(
     latent_layout: gl.constexpr = latent_desc.layout
     rope_layout: gl.constexpr = rope_desc.layout
     ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R, 1)
+        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
 
     # q's rows (row r: token r // N, head r % N; zero past num_rows), each scaled by a
     # power of two that puts its largest entry in (Q_TOP / 2, Q_TOP].

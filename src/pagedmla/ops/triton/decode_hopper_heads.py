@@ -354,7 +354,7 @@ def _decode_heads_kernel(
         latent_layout: gl.constexpr = latent_desc.layout
         rope_layout: gl.constexpr = rope_desc.layout
     ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        ring_dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R, 1)
+        ring_dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
     handoff = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     p_ready = handoff.index(0)  # P and alpha of the next tile are written
     p_free = handoff.index(1)  # the output warpgroups are done with them
