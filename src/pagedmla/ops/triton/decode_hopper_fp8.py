@@ -5,17 +5,20 @@ Same contract as `decode_hopper` (one program per piece of a request; final outp
 float32 partials plus lse), whose producer warp, ring and slice it shares. The widening
 kernel that ran before (session 16's, in git history) turned every e4m3 tile into a
 16-bit copy before its products, and that work, not the copy, held an fp8 cache to
-~1.1x the bf16 kernel's speed (this one: 1.18-1.28x on an H200 but for one request of
-8k-32k, docs/PERFORMANCE.md). Here
-the consumer warpgroup multiplies the e4m3 codes as they arrive:
+~1.1x the bf16 kernel's speed (this one: 1.3-1.6x on an H200, docs/PERFORMANCE.md).
+Here two consumer warpgroups take alternate tiles of the slice (one alone left the
+copies waiting on its chain of products and softmax), and each multiplies the e4m3
+codes as they arrive:
 
 * S^T = K Q^T: K is the ring buffer itself (wgmma's A operand from shared memory), Q is
   e4m3 too. A single e4m3 copy of q would keep 4 significant bits, so q is stored as two
   e4m3 terms, q_hi = e4m3(q s) and q_lo = e4m3(q s - q_hi) with s a per-row power of two
   putting the row's largest entry near 224: q_hi + q_lo is within 2^-8 of q s relative
-  to each entry (bf16's own rounding is 2^-9), and both terms' products add into S. The
-  scores, and so lse, are then within ~2^-8 of their size, where the widening kernels'
-  products are exact; an e4m3 cache entry is itself only within 2^-4 of what it stores.
+  to each entry (bf16's own rounding is 2^-9). The terms are stacked as one operand of
+  2 x 16 rows, so each k-step is one product that reads K once, and the two halves of
+  the result add in registers. The scores, and so lse, are then within ~2^-8 of their
+  size, where the widening kernels' products are exact; an e4m3 cache entry is itself
+  only within 2^-4 of what it stores.
 * O^T += V^T P^T: P is split the same way (scaled by 2^P_EXP, two terms). e4m3 wgmma
   wants both operands K-major, and V^T's K (the positions) is the cache's row index, so
   V^T comes from registers: each thread loads 4-byte words (4 adjacent latent columns of
@@ -25,9 +28,10 @@ the consumer warpgroup multiplies the e4m3 codes as they arrive:
   wgmma's A fragment wants them; the product's row index l' is a bit permutation of the
   latent column (`_sigma`), undone when O is stored.
 
-Rows at or past the slice end may hold NaN codes (0 x NaN would reach the output): the
-slice's last, partial tile is zeroed there in place, as `decode_hopper` does for 16-bit
-caches.
+The second consumer leaves its O^T, m and l in shared memory; the first folds them into
+its own before the store. Rows at or past the slice end may hold NaN codes (0 x NaN
+would reach the output): the slice's last, partial tile is zeroed there in place, as
+`decode_hopper` does for 16-bit caches.
 """
 
 from __future__ import annotations
@@ -59,11 +63,17 @@ from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
 
 __all__ = ["BLOCK_H", "BLOCK_N", "decode_partial", "supported"]
 
-STAGES = 4  # ring buffers of 36 KB: with q's two terms and P, 164 KB, one program per SM
+# Ring buffers of 36 KB: with q's terms, P and the second consumer's state, 204 KB, one
+# program per SM.
+STAGES = 4
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
 # value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
 Q_TOP = gl.constexpr(224.0)
 P_EXP = gl.constexpr(7)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups (_consume, _consume_kept): alternate tiles
+# The second consumer's registers per thread: with the first's 256 and the producer
+# warp's warpgroup's 24, all 64K of the register file.
+CONSUMER_REGS = gl.constexpr(232)
 
 # 4 x 4 byte transpose of four 32-bit words: output word i, byte j = input word j, byte i.
 _TRANSPOSE = gl.constexpr("""{
@@ -123,11 +133,14 @@ def _two_terms(x):
 
 @gluon.jit
 def _q_terms(x, scale, layout: gl.constexpr):
-    """q columns x [BLOCK_H, W] times the rows' scale, as two e4m3 terms in shared memory
-    (wgmma's B operand, [BLOCK_H, W] each)."""
+    """q columns x [BLOCK_H, W] times the rows' scale, as two e4m3 terms stacked in
+    shared memory (wgmma's B operand, [2 BLOCK_H, W]: the hi terms' rows, then the lo
+    terms')."""
     hi, lo = _two_terms(x * scale[:, None])
-    return (gl.allocate_shared_memory(gl.float8e4nv, x.shape, layout, hi),
-            gl.allocate_shared_memory(gl.float8e4nv, x.shape, layout, lo))
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    terms = gl.join(hi, lo).permute((2, 0, 1)).reshape([2 * ROWS, W])
+    return gl.allocate_shared_memory(gl.float8e4nv, [2 * ROWS, W], layout, terms)
 
 
 @gluon.jit
@@ -164,17 +177,20 @@ def _pv(acc, v, p_hi, p_lo, alpha):
 
 
 @gluon.jit
-def _consume(ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r, ql_r,
-             p_hi, p_lo, lo, hi, num_tiles, limit, qk_scale, mma: gl.constexpr,
+def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi,
+             num_tiles, limit_0, group, num_heads, qk_scales, first, mma: gl.constexpr,
              rows: gl.constexpr):
-    """Consumer warpgroup: online softmax over the slice's tiles. qk_scale [BLOCK_H] takes
-    a column of S^T to base-2 logits; P and l come out 2^P_EXP times theirs.
+    """Consumer warpgroup: online softmax over tiles first, first + CONSUMERS, ... of
+    the slice. q_a, q_b, q_r: q's stacked terms ([2 BLOCK_H, W], `_q_terms`); p_hi, p_lo:
+    this consumer's P buffers [BLOCK_H, TILE_N]; limit_0: seq_len - q_len + 1;
+    qk_scales [BLOCK_H] (in shared memory: a worker partition takes no tensors) takes a
+    column of S^T to base-2 logits. P and l come out 2^P_EXP times theirs.
 
     Returns the four 128-column blocks of O^T [128 l', BLOCK_H] (unnormalised, rows in
     _sigma order), m_i and l_i [BLOCK_H] (running max and sum, base 2)."""
     NUM_STAGES: gl.constexpr = ring_a.type.shape[0]
     TILE_N: gl.constexpr = ring_a.type.shape[1]
-    ROWS: gl.constexpr = qh_a.type.shape[0]
+    ROWS: gl.constexpr = q_a.type.shape[0] // 2
     a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
     # A latent half's ring buffer is two [TILE_N, 128] column blocks (how the 128-byte
     # swizzle stores it).
@@ -187,8 +203,16 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r,
     acc3 = gl.zeros([128, ROWS], gl.float32, mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
-    s_init = gl.zeros([TILE_N, ROWS], gl.float32, mma)
-    for i in range(num_tiles):
+    # S^T against both q terms at once ([TILE_N, 2 ROWS], a column per term): one
+    # product per k-step that reads K from shared memory once.
+    mma_terms: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=mma.warps_per_cta, instr_shape=[16, 2 * ROWS, 32])
+    s_init = gl.zeros([TILE_N, 2 * ROWS], gl.float32, mma_terms)
+    qk_scale = qk_scales.load(gl.SliceLayout(0, mma))
+    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+    r_mma = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(0, mma))
+    limit = limit_0 + r_mma // num_heads
+    for i in range(first, num_tiles, CONSUMERS):
         slot = i % NUM_STAGES
         start = lo + i * TILE_N
         mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
@@ -197,18 +221,18 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r,
         k_r = ring_r.index(slot)
         if start + TILE_N > hi:
             zero_tail(k_a, k_b, k_r, start, hi, rows)
-        s = warpgroup_mma(k_a, qh_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_a, ql_a.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_b, qh_b.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_b, ql_b.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_r, qh_r.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_r, ql_r.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_a, q_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_b, q_b.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(k_r, q_r.permute((1, 0)), s, is_async=True)
         # V^T's loads and transposes run while S's products do.
         v0 = _v_operand(blocks_a.index(2 * slot), a_regs)
         v1 = _v_operand(blocks_a.index(2 * slot + 1), a_regs)
         v2 = _v_operand(blocks_b.index(2 * slot), a_regs)
         v3 = _v_operand(blocks_b.index(2 * slot + 1), a_regs)
         s = warpgroup_mma_wait(0, deps=(s,))
+        # Columns r and ROWS + r are in one thread's registers: the terms add in place.
+        s_hi, s_lo = gl.split(s.reshape([TILE_N, 2, ROWS]).permute((0, 2, 1)))
+        s = gl.convert_layout(s_hi + s_lo, mma, assert_trivial=True)
 
         pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, mma))
         visible = (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
@@ -233,6 +257,40 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r,
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
     return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@gluon.jit
+def _consume_kept(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi,
+                  num_tiles, limit_0, group, num_heads, qk_scales, kept, kept_ml,
+                  mma: gl.constexpr, rows: gl.constexpr):
+    """The second consumer warpgroup: tiles 1, 3, 5, ... of the slice (`_consume`), its
+    O^T blocks, m_i and l_i left in kept [4, 128, BLOCK_H] and kept_ml [2, BLOCK_H]."""
+    acc0, acc1, acc2, acc3, m_i, l_i = _consume(
+        ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi, num_tiles,
+        limit_0, group, num_heads, qk_scales, 1, mma, rows)
+    kept.index(0).store(acc0)
+    kept.index(1).store(acc1)
+    kept.index(2).store(acc2)
+    kept.index(3).store(acc3)
+    kept_ml.index(0).store(m_i)
+    kept_ml.index(1).store(l_i)
+
+
+@gluon.jit
+def _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept, kept_ml, mma: gl.constexpr):
+    """The first consumer's O^T blocks, m_i and l_i merged with the second's (kept,
+    kept_ml): both rescaled to the larger running max."""
+    m_1 = kept_ml.index(0).load(gl.SliceLayout(0, mma))
+    l_1 = kept_ml.index(1).load(gl.SliceLayout(0, mma))
+    m_new = gl.maximum(m_i, m_1)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key in either
+    a_0 = gl.exp2(m_i - m_safe)
+    a_1 = gl.exp2(m_1 - m_safe)
+    return (acc0 * a_0[None, :] + kept.index(0).load(mma) * a_1[None, :],
+            acc1 * a_0[None, :] + kept.index(1).load(mma) * a_1[None, :],
+            acc2 * a_0[None, :] + kept.index(2).load(mma) * a_1[None, :],
+            acc3 * a_0[None, :] + kept.index(3).load(mma) * a_1[None, :],
+            m_new, l_i * a_0 + l_1 * a_1)
 
 
 @gluon.jit
@@ -281,23 +339,31 @@ def _decode_fp8_kernel(
                               stride_qh, BLOCK_H, gl.SliceLayout(1, rows))
     cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
     cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
-    x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0).to(gl.float32)
+    x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None],
+                  other=0.0).to(gl.float32)
     x_b = gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None],
                   other=0.0).to(gl.float32)
     x_r = gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None],
                   other=0.0).to(gl.float32)
-    q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1), gl.max(gl.abs(x_b), 1)),
+    q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1),
+                                               gl.max(gl.abs(x_b), 1)),
                                     gl.max(gl.abs(x_r), 1)))
-    latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L],
+    latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, HALF_L],
                                                                   gl.float8e4nv)
-    rope_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], gl.float8e4nv)
-    qh_a, ql_a = _q_terms(x_a, q_scale, latent_q)
-    qh_b, ql_b = _q_terms(x_b, q_scale, latent_q)
-    qh_r, ql_r = _q_terms(x_r, q_scale, rope_q)
+    rope_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, R],
+                                                                gl.float8e4nv)
+    q_a = _q_terms(x_a, q_scale, latent_q)
+    q_b = _q_terms(x_b, q_scale, latent_q)
+    q_r = _q_terms(x_r, q_scale, rope_q)
+    # Each consumer's P terms, and the second consumer's state for `_fold`.
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N],
                                                                   gl.float8e4nv)
-    p_hi = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, TILE_N], p_layout)
-    p_lo = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, TILE_N], p_layout)
+    p_hi = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, BLOCK_H, TILE_N], p_layout)
+    p_lo = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, BLOCK_H, TILE_N], p_layout)
+    kept = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    vector: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    kept_ml = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vector)
     fence_async_shared()
 
     # Scores in base 2: the cache stores x / scale, and q is q_scale times its value.
@@ -310,18 +376,24 @@ def _decode_fp8_kernel(
                    _row_amax(q_rows_mma, r_ok_mma, HALF_L, HALF_L, mma)),
         _row_amax(q_rows_mma, r_ok_mma, L, R, mma))
     kv_scale = gl.load(scale_ptr)
-    qk_scale = softmax_scale * 1.4426950408889634 * kv_scale / _row_scale(amax_mma)
-    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
-    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
-    limit = seq_len - q_len + r_mma // num_heads + 1
+    qk_scales = gl.allocate_shared_memory(
+        gl.float32, [BLOCK_H], vector,
+        softmax_scale * 1.4426950408889634 * kv_scale / _row_scale(amax_mma))
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
+    limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
-        (_consume, (ring_a, ring_b, ring_r, ready, empty, qh_a, ql_a, qh_b, ql_b, qh_r, ql_r,
-                    p_hi, p_lo, lo, hi, num_tiles, limit, qk_scale, mma, rows)),
+        (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi.index(0),
+                    p_lo.index(0), lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 0,
+                    mma, rows)),
+        (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi.index(1),
+                         p_lo.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
+                         qk_scales, kept, kept_ml, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                          table_row, lo, hi, num_tiles, PAGE, STAGES)),
-    ], [1], [24])
+    ], [4, 1], [CONSUMER_REGS, 24])
+    acc0, acc1, acc2, acc3, m_i, l_i = _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept,
+                                             kept_ml, mma)
 
     gdc_launch_dependents()  # the combine may launch now; it waits for this grid
     # O and l are 2^P_EXP times theirs.
