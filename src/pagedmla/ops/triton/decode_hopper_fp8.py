@@ -202,7 +202,10 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
     acc2 = gl.zeros([128, ROWS], gl.float32, mma)
     acc3 = gl.zeros([128, ROWS], gl.float32, mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
+    # l's terms summed per thread over the positions it holds, added up once after the
+    # loop: a sum across the warps every tile cost three barriers (173 vs 185 us at
+    # B = 128 x 8k).
+    l_part = gl.zeros([TILE_N, ROWS], gl.float32, mma)
     # S^T against both q terms at once ([TILE_N, 2 ROWS], a column per term): one
     # product per k-step that reads K from shared memory once.
     mma_terms: gl.constexpr = gl.NVMMADistributedLayout(
@@ -242,7 +245,7 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - (m_safe - P_EXP)[None, :])
-        l_i = l_i * alpha + gl.sum(p, 0)
+        l_part = l_part * alpha[None, :] + p
         m_i = m_new
         hi_p, lo_p = _two_terms(p)
         p_hi.store(gl.permute(hi_p, (1, 0)))
@@ -256,7 +259,7 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
         # The buffer's loads (generic proxy) before the producer's next copy (async).
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
-    return acc0, acc1, acc2, acc3, m_i, l_i
+    return acc0, acc1, acc2, acc3, m_i, gl.sum(l_part, 0)
 
 
 @gluon.jit
