@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
+from triton.runtime.jit import JITFunction
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
@@ -409,11 +410,23 @@ def decode_partial(
     q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
     requests in one piece, part_out [.., programs, L] and part_lse float32 for the
     others' partials (as `decode.mla_decode`)."""
+    launch(_decode_partial_ws_kernel, STAGES, q, data, scale, block_table, work, out, lse,
+           part_out, part_lse, head_groups, softmax_scale, L)
+
+
+def launch(
+    kernel: JITFunction, stages: int, q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+    block_table: torch.Tensor, work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    part_out: torch.Tensor, part_lse: torch.Tensor, head_groups: int,
+    softmax_scale: float, L: int,
+) -> None:
+    """Launch a 16-row stage-1 kernel with this module's arguments (`decode_partial`'s,
+    and `decode_hopper_fp8`'s kernel, which takes the same) and `stages` ring buffers."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_partial_ws_kernel[(head_groups, work.shape[0])](
+    kernel[(head_groups, work.shape[0])](
         q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, num_warps=4,
+        STAGES=stages, num_warps=4,
     )

@@ -52,7 +52,7 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
     allocate_ring,
-    page_descriptors,
+    launch,
     pages_copyable,
     produce_tiles,
     program_slice,
@@ -432,11 +432,5 @@ def decode_partial(
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`)."""
-    latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_fp8_kernel[(head_groups, work.shape[0])](
-        q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, num_warps=4,
-    )
+    launch(_decode_fp8_kernel, STAGES, q, data, scale, block_table, work, out, lse,
+           part_out, part_lse, head_groups, softmax_scale, L)
