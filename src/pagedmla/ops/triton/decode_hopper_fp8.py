@@ -19,7 +19,10 @@ and each multiplies the e4m3 codes as they arrive:
   the result add in registers. The scores, and so lse, are then within ~2^-8 of their
   size, where the widening kernels' products are exact; an e4m3 cache entry is itself
   only within 2^-4 of what it stores.
-* O^T += V^T P^T: P is split the same way (scaled by 2^P_EXP, two terms). e4m3 wgmma
+* O^T += V^T P^T: P is split the same way (scaled by 2^P_EXP, two terms) and its terms
+  stacked as q's, so this product too runs on 32 columns, whose halves are added after
+  the last tile (16 products per tile instead of 32: each product's latency, not the
+  tensor cores' rate, is what a consumer's chain of work per tile pays). e4m3 wgmma
   wants both operands K-major, and V^T's K (the positions) is the cache's row index, so
   V^T comes from registers: each thread loads 4-byte words (4 adjacent latent columns of
   one position) for 4 positions and transposes the 4 x 4 bytes with 8 byte permutes
@@ -170,37 +173,53 @@ def _v_operand(block, a_regs: gl.constexpr):
 
 
 @gluon.jit
-def _pv(acc, v, p_hi, p_lo, alpha):
-    """acc alpha + V^T (P_hi + P_lo)^T, issued (not waited for)."""
-    acc = warpgroup_mma(v, p_hi.permute((1, 0)), acc * alpha[None, :], is_async=True)
-    return warpgroup_mma(v, p_lo.permute((1, 0)), acc, is_async=True)
+def _halves_sum(x, layout: gl.constexpr):
+    """x[:, :ROWS] + x[:, ROWS:] of x [M, 2 ROWS] in a wide layout (columns r and ROWS + r
+    in one thread), in `layout`, without moving data."""
+    M: gl.constexpr = x.shape[0]
+    ROWS: gl.constexpr = x.shape[1] // 2
+    a, b = gl.split(x.reshape([M, 2, ROWS]).permute((0, 2, 1)))
+    return gl.convert_layout(a + b, layout, assert_trivial=True)
 
 
 @gluon.jit
-def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi,
+def _twice(x, layout: gl.constexpr):
+    """x [ROWS] twice over, [2 ROWS] in `layout` (a slice of a wide layout)."""
+    ROWS: gl.constexpr = x.shape[0]
+    y = gl.join(x, x).permute((1, 0)).reshape([2 * ROWS])
+    return gl.convert_layout(y, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
              num_tiles, limit_0, group, num_heads, qk_scales, first, mma: gl.constexpr,
              rows: gl.constexpr):
     """Consumer warpgroup: online softmax over tiles first, first + CONSUMERS, ... of
-    the slice. q_a, q_b, q_r: q's stacked terms ([2 BLOCK_H, W], `_q_terms`); p_hi, p_lo:
-    this consumer's P buffers [BLOCK_H, TILE_N]; limit_0: seq_len - q_len + 1;
-    qk_scales [BLOCK_H] (in shared memory: a worker partition takes no tensors) takes a
-    column of S^T to base-2 logits. P and l come out 2^P_EXP times theirs.
+    the slice. q_a, q_b, q_r: q's stacked terms ([2 BLOCK_H, W], `_q_terms`); p_terms:
+    this consumer's buffer for P's terms, stacked the same way ([2 BLOCK_H, TILE_N]);
+    limit_0: seq_len - q_len + 1; qk_scales [BLOCK_H] (in shared memory: a worker
+    partition takes no tensors) takes a column of S^T to base-2 logits. P and l come
+    out 2^P_EXP times theirs.
 
     Returns the four 128-column blocks of O^T [128 l', BLOCK_H] (unnormalised, rows in
     _sigma order), m_i and l_i [BLOCK_H] (running max and sum, base 2)."""
     NUM_STAGES: gl.constexpr = ring_a.type.shape[0]
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     ROWS: gl.constexpr = q_a.type.shape[0] // 2
-    a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    # O^T against both P terms at once ([128, 2 ROWS] per block, a column per term, the
+    # halves added after the loop): one product per k-step, as for S^T.
+    wide: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=mma.warps_per_cta, instr_shape=[16, 2 * ROWS, 32])
+    a_regs: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wide, k_width=4)
     # A latent half's ring buffer is two [TILE_N, 128] column blocks (how the 128-byte
     # swizzle stores it).
     blocks: gl.constexpr = gl.NVMMASharedLayout(128, 8)
     blocks_a = ring_a._reinterpret(gl.uint8, [2 * NUM_STAGES, TILE_N, 128], blocks)
     blocks_b = ring_b._reinterpret(gl.uint8, [2 * NUM_STAGES, TILE_N, 128], blocks)
-    acc0 = gl.zeros([128, ROWS], gl.float32, mma)
-    acc1 = gl.zeros([128, ROWS], gl.float32, mma)
-    acc2 = gl.zeros([128, ROWS], gl.float32, mma)
-    acc3 = gl.zeros([128, ROWS], gl.float32, mma)
+    acc0 = gl.zeros([128, 2 * ROWS], gl.float32, wide)
+    acc1 = gl.zeros([128, 2 * ROWS], gl.float32, wide)
+    acc2 = gl.zeros([128, 2 * ROWS], gl.float32, wide)
+    acc3 = gl.zeros([128, 2 * ROWS], gl.float32, wide)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
     # l's terms summed per thread over the positions it holds, added up once after the
     # loop: a sum across the warps every tile cost three barriers (173 vs 185 us at
@@ -208,9 +227,7 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
     l_part = gl.zeros([TILE_N, ROWS], gl.float32, mma)
     # S^T against both q terms at once ([TILE_N, 2 ROWS], a column per term): one
     # product per k-step that reads K from shared memory once.
-    mma_terms: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=mma.warps_per_cta, instr_shape=[16, 2 * ROWS, 32])
-    s_init = gl.zeros([TILE_N, 2 * ROWS], gl.float32, mma_terms)
+    s_init = gl.zeros([TILE_N, 2 * ROWS], gl.float32, wide)
     qk_scale = qk_scales.load(gl.SliceLayout(0, mma))
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
     r_mma = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(0, mma))
@@ -227,15 +244,12 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
         s = warpgroup_mma(k_a, q_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma(k_b, q_b.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_r, q_r.permute((1, 0)), s, is_async=True)
-        # V^T's loads and transposes run while S's products do.
+        # Half of V^T's loads and transposes run while S's products do, the other half
+        # while the first half's products do (registers for all four do not fit).
         v0 = _v_operand(blocks_a.index(2 * slot), a_regs)
         v1 = _v_operand(blocks_a.index(2 * slot + 1), a_regs)
-        v2 = _v_operand(blocks_b.index(2 * slot), a_regs)
-        v3 = _v_operand(blocks_b.index(2 * slot + 1), a_regs)
         s = warpgroup_mma_wait(0, deps=(s,))
-        # Columns r and ROWS + r are in one thread's registers: the terms add in place.
-        s_hi, s_lo = gl.split(s.reshape([TILE_N, 2, ROWS]).permute((0, 2, 1)))
-        s = gl.convert_layout(s_hi + s_lo, mma, assert_trivial=True)
+        s = _halves_sum(s, mma)
 
         pos = start + gl.arange(0, TILE_N, gl.SliceLayout(1, mma))
         visible = (pos < hi)[:, None] & (pos[:, None] < limit[None, :])
@@ -248,28 +262,34 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo
         l_part = l_part * alpha[None, :] + p
         m_i = m_new
         hi_p, lo_p = _two_terms(p)
-        p_hi.store(gl.permute(hi_p, (1, 0)))
-        p_lo.store(gl.permute(lo_p, (1, 0)))
+        p_terms.slice(0, ROWS).store(gl.permute(hi_p, (1, 0)))
+        p_terms.slice(ROWS, ROWS).store(gl.permute(lo_p, (1, 0)))
         fence_async_shared()
-        acc0 = _pv(acc0, v0, p_hi, p_lo, alpha)
-        acc1 = _pv(acc1, v1, p_hi, p_lo, alpha)
-        acc2 = _pv(acc2, v2, p_hi, p_lo, alpha)
-        acc3 = _pv(acc3, v3, p_hi, p_lo, alpha)
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+        alpha_2 = _twice(alpha, gl.SliceLayout(0, wide))[None, :]
+        p_t = p_terms.permute((1, 0))
+        acc0 = warpgroup_mma(v0, p_t, acc0 * alpha_2, is_async=True)
+        acc1 = warpgroup_mma(v1, p_t, acc1 * alpha_2, is_async=True)
+        v2 = _v_operand(blocks_b.index(2 * slot), a_regs)
+        v3 = _v_operand(blocks_b.index(2 * slot + 1), a_regs)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        acc2 = warpgroup_mma(v2, p_t, acc2 * alpha_2, is_async=True)
+        acc3 = warpgroup_mma(v3, p_t, acc3 * alpha_2, is_async=True)
+        acc2, acc3 = warpgroup_mma_wait(0, deps=(acc2, acc3))
         # The buffer's loads (generic proxy) before the producer's next copy (async).
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
-    return acc0, acc1, acc2, acc3, m_i, gl.sum(l_part, 0)
+    return (_halves_sum(acc0, mma), _halves_sum(acc1, mma), _halves_sum(acc2, mma),
+            _halves_sum(acc3, mma), m_i, gl.sum(l_part, 0))
 
 
 @gluon.jit
-def _consume_kept(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi,
+def _consume_kept(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
                   num_tiles, limit_0, group, num_heads, qk_scales, kept, kept_ml,
                   mma: gl.constexpr, rows: gl.constexpr):
     """The second consumer warpgroup: tiles 1, 3, 5, ... of the slice (`_consume`), its
     O^T blocks, m_i and l_i left in kept [4, 128, BLOCK_H] and kept_ml [2, BLOCK_H]."""
     acc0, acc1, acc2, acc3, m_i, l_i = _consume(
-        ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi, p_lo, lo, hi, num_tiles,
+        ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi, num_tiles,
         limit_0, group, num_heads, qk_scales, 1, mma, rows)
     kept.index(0).store(acc0)
     kept.index(1).store(acc1)
@@ -359,10 +379,10 @@ def _decode_fp8_kernel(
     q_b = _q_terms(x_b, q_scale, latent_q)
     q_r = _q_terms(x_r, q_scale, rope_q)
     # Each consumer's P terms, and the second consumer's state for `_fold`.
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N],
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, TILE_N],
                                                                   gl.float8e4nv)
-    p_hi = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, BLOCK_H, TILE_N], p_layout)
-    p_lo = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, BLOCK_H, TILE_N], p_layout)
+    p_terms = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 2 * BLOCK_H, TILE_N],
+                                        p_layout)
     kept = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     vector: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -386,11 +406,11 @@ def _decode_fp8_kernel(
 
     limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
-        (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi.index(0),
-                    p_lo.index(0), lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 0,
+        (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
+                    lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 0,
                     mma, rows)),
-        (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_hi.index(1),
-                         p_lo.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
+        (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r,
+                         p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
                          qk_scales, kept, kept_ml, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                          table_row, lo, hi, num_tiles, PAGE, STAGES)),
