@@ -153,15 +153,6 @@ def _row_scale(amax):
 
 
 @gluon.jit
-def _row_amax(q_rows, r_ok, col0, WIDTH: gl.constexpr, layout: gl.constexpr):
-    """max |q| over columns [col0, col0 + WIDTH) of the rows q_rows ([BLOCK_H] pointers in
-    SliceLayout(0, layout)), reduced in `layout` ([WIDTH, BLOCK_H], q transposed)."""
-    cols = col0 + gl.arange(0, WIDTH, gl.SliceLayout(1, layout))
-    x = gl.load(q_rows[None, :] + cols[:, None], mask=r_ok[None, :], other=0.0)
-    return gl.max(gl.abs(x.to(gl.float32)), 0)
-
-
-@gluon.jit
 def _v_operand(block, a_regs: gl.constexpr):
     """V^T of one 128-column block of a tile ([128 l', TILE_N] e4m3, rows in _sigma
     order) as wgmma's register operand."""
@@ -345,6 +336,7 @@ def _decode_fp8_kernel(
 ):
     """One piece, as `decode_hopper._decode_partial_ws_kernel` with an fp8 cache."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    kv_scale = gl.load(scale_ptr)  # first: its round trip overlaps the work row's
     (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
      num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
 
@@ -390,18 +382,12 @@ def _decode_fp8_kernel(
     fence_async_shared()
 
     # Scores in base 2: the cache stores x / scale, and q is q_scale times its value.
-    # q_scale again, where S^T's columns are (the same max, so the same scale):
-    # converting q_scale's layout instead gave wrong values in some columns (Triton 3.6).
-    q_rows_mma, r_ok_mma = query_rows(q_ptr, q_begin, group, num_heads, num_rows,
-                                      stride_qt, stride_qh, BLOCK_H, gl.SliceLayout(0, mma))
-    amax_mma = gl.maximum(
-        gl.maximum(_row_amax(q_rows_mma, r_ok_mma, 0, HALF_L, mma),
-                   _row_amax(q_rows_mma, r_ok_mma, HALF_L, HALF_L, mma)),
-        _row_amax(q_rows_mma, r_ok_mma, L, R, mma))
-    kv_scale = gl.load(scale_ptr)
+    # Through shared memory, where each consumer loads it in S^T's column layout (a
+    # layout conversion of q_scale gave wrong values in some columns, Triton 3.6); not
+    # from q loaded a second time, a round trip to memory that the prologue's loads,
+    # queued behind other programs' tile copies, pay in microseconds.
     qk_scales = gl.allocate_shared_memory(
-        gl.float32, [BLOCK_H], vector,
-        softmax_scale * 1.4426950408889634 * kv_scale / _row_scale(amax_mma))
+        gl.float32, [BLOCK_H], vector, softmax_scale * 1.4426950408889634 * kv_scale / q_scale)
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
     limit_0 = seq_len - q_len + 1
