@@ -120,7 +120,7 @@ class DecodeConfig:
 # * hopper: the Gluon kernels replace these on Hopper GPUs. rows16 (`decode_hopper`, fp8
 #   `decode_hopper_fp8`): B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 ->
 #   266 us (then widening e4m3 tiles; products on e4m3 codes: 231 us, two consumers:
-#   173 us). rows32 and
+#   173 us, P V^T on 32 columns and one q load: 166 us). rows32 and
 #   rows64 (`decode_hopper_heads`, 64 rows per program, so 32 rows pad to 64): N = 128,
 #   B = 64 x 4k 250 -> 146 us (501 TFLOP/s), B = 128 x 8k 1010 -> 544 us; N = 32, B =
 #   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (rows widened

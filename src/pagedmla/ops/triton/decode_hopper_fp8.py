@@ -5,7 +5,7 @@ Same contract as `decode_hopper` (one program per piece of a request; final outp
 float32 partials plus lse), whose producer warp, ring and slice it shares. The widening
 kernel that ran before (session 16's, in git history) turned every e4m3 tile into a
 16-bit copy before its products, and that work, not the copy, held an fp8 cache to
-~1.1x the bf16 kernel's speed (this one: 1.3-1.7x on an H200 but for one or two
+~1.1x the bf16 kernel's speed (this one: 1.3-1.8x on an H200 but for one or two
 requests of 8k, docs/PERFORMANCE.md). Here two consumer warpgroups take alternate tiles
 of the slice (one alone left the copies waiting on its chain of products and softmax),
 and each multiplies the e4m3 codes as they arrive:
