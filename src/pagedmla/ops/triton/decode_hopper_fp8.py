@@ -32,9 +32,11 @@ and each multiplies the e4m3 codes as they arrive:
   latent column (`_sigma`), undone when O is stored.
 
 The second consumer leaves its O^T, m and l in shared memory; the first folds them into
-its own before the store. Rows at or past the slice end may hold NaN codes (0 x NaN
-would reach the output): the slice's last, partial tile is zeroed there in place, as
-`decode_hopper` does for 16-bit caches.
+its own before the store. The first takes the odd tiles: in a slice of an even count the
+second then ends first and leaves its state while the first runs the last tile (2-4%
+faster on one or two requests of 8k, unchanged on large batches). Rows at or past the
+slice end may hold NaN codes (0 x NaN would reach the output): the slice's last, partial
+tile is zeroed there in place, as `decode_hopper` does for 16-bit caches.
 """
 
 from __future__ import annotations
@@ -277,11 +279,11 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, h
 def _consume_kept(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
                   num_tiles, limit_0, group, num_heads, qk_scales, kept, kept_ml,
                   mma: gl.constexpr, rows: gl.constexpr):
-    """The second consumer warpgroup: tiles 1, 3, 5, ... of the slice (`_consume`), its
+    """The second consumer warpgroup: tiles 0, 2, 4, ... of the slice (`_consume`), its
     O^T blocks, m_i and l_i left in kept [4, 128, BLOCK_H] and kept_ml [2, BLOCK_H]."""
     acc0, acc1, acc2, acc3, m_i, l_i = _consume(
         ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi, num_tiles,
-        limit_0, group, num_heads, qk_scales, 1, mma, rows)
+        limit_0, group, num_heads, qk_scales, 0, mma, rows)
     kept.index(0).store(acc0)
     kept.index(1).store(acc1)
     kept.index(2).store(acc2)
@@ -393,7 +395,7 @@ def _decode_fp8_kernel(
     limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
         (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
-                    lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 0,
+                    lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 1,
                     mma, rows)),
         (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r,
                          p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
