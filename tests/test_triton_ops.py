@@ -1264,3 +1264,14 @@ def test_stream_read_sums_every_element(dtype: torch.dtype, n: int) -> None:
     parts = stream_read(x)()
     assert parts.shape == (math.ceil(n / 8192),)
     assert math.isclose(parts.double().sum().item(), x.double().sum().item(), abs_tol=1e-3)
+
+
+def test_sm_clock_median_skips_what_is_not_a_number() -> None:
+    # kernel_bench.SmClock's samples: nvidia-smi prints one clock per line, "[N/A]" where
+    # it has none; the median is over the numbers, None without any.
+    from pagedmla.kernel_bench import median_sample
+
+    assert median_sample("1980\n1410\n[N/A]\n1755\n") == 1755.0
+    assert median_sample("1500\n1400\n") == 1450.0
+    assert median_sample("") is None
+    assert median_sample("[N/A]\n") is None

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +62,51 @@ DEV = "cuda"
 def bench(fn: Callable[[], object], rep_ms: int = 100) -> float:
     """Median time of fn in microseconds (L2 wiped before every call)."""
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+
+
+class SmClock:
+    """The GPU's SM clock as `nvidia-smi` samples it every 50 ms while a `with` block runs;
+    `mhz` afterwards: the median sample (None where nvidia-smi is missing or gave none).
+
+    Why it is recorded: under sustained decode an H200 reaches its 700 W power cap and
+    lowers the SM clock (reason "SW power cap"), seen from ~1950 down to ~1400 MHz. A
+    kernel bound by its chains of dependent instructions (the fp8 decode) slows with the
+    clock, one bound by HBM (bf16 decode) does not, so their ratio moves between runs
+    (docs/PERFORMANCE.md, session 20)."""
+
+    def __init__(self, device: int | None = None) -> None:
+        index = torch.cuda.current_device() if device is None else device
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        self._gpu = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        self._proc: subprocess.Popen | None = None
+        self.mhz: float | None = None
+
+    def __enter__(self) -> SmClock:
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", self._gpu, "--query-gpu=clocks.sm",
+                 "--format=csv,noheader,nounits", "-lms", "50"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self.mhz = median_sample(self._proc.communicate()[0])
+
+
+def median_sample(text: str) -> float | None:
+    """The median of the numbers in `text`, one per line (nvidia-smi's csv without header
+    or units); lines that are not numbers ("[N/A]") are skipped; None without any."""
+    values = []
+    for line in text.splitlines():
+        try:
+            values.append(float(line))
+        except ValueError:
+            continue
+    return statistics.median(values) if values else None
 
 
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
@@ -400,7 +446,9 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             # As each layer of a forward pays it: the split plan is made once per forward
             # (`plans`), here before the capture; with_plan_us includes making it.
             plans: dict = {}
-            us = bench(graphed(lambda args=args, plans=plans: mla_decode(*args, plans=plans)))
+            replay = graphed(lambda args=args, plans=plans: mla_decode(*args, plans=plans))
+            with SmClock() as clock:
+                us = bench(replay)
             with_plan_us = bench(graphed(lambda args=args: mla_decode(*args)))
             eager_us = bench(lambda args=args: mla_decode(*args))
             # Where the Gluon kernel runs, time the Triton kernel of the same config too.
@@ -432,6 +480,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "baseline_us": ref_us,
                 "stage1": "gluon" if plain_us else "triton",
                 "triton_stage1_us": plain_us, "same_size_read_us": same_read_us,
+                "sm_mhz": clock.mhz,
             }
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
             if cache == FP8:
@@ -688,9 +737,12 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "",
         "read µs: torch.sum over as many bytes as the decode moves, timed the same way",
         "",
+        "SM MHz: the median SM clock while the µs column was measured (nvidia-smi); the "
+        "card lowers it at its power cap",
+        "",
         "| kernel | shape | µs | eager µs | TB/s | % ceiling | read µs | TFLOP/s | baseline "
-        "| baseline µs | speedup |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| baseline µs | speedup | SM MHz |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if r["kernel"] == "mla_decode":
@@ -714,9 +766,10 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         base_us = f"{r['baseline_us']:.1f}" if r.get("baseline_us") else ""
         speed = f"{r['baseline_us'] / r['us']:.2f}x" if r.get("baseline_us") else ""
         eager = f"{r['eager_us']:.1f}" if "eager_us" in r else ""
+        mhz = f"{r['sm_mhz']:.0f}" if r.get("sm_mhz") else ""
         lines.append(f"| {r['kernel']} | {shape} | {r['us']:.1f} | {eager} | {tbps} | {pct} "
                      f"| {read} | {tflops} "
-                     f"| {base} | {base_us} | {speed} |")
+                     f"| {base} | {base_us} | {speed} | {mhz} |")
     return "\n".join(lines)
 
 
