@@ -76,6 +76,8 @@ class SmClock:
 
     def __init__(self, device: int | None = None) -> None:
         index = torch.cuda.current_device() if device is None else device
+        # nvidia-smi numbers GPUs its own way (CUDA_VISIBLE_DEVICES does not apply to
+        # it): name this one by its UUID.
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         self._gpu = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         self._proc: subprocess.Popen | None = None
