@@ -22,6 +22,7 @@ each kernel must move / compute; they are written next to each result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import itertools
@@ -74,23 +75,20 @@ class SmClock:
     clock, one bound by HBM (bf16 decode) does not, so their ratio moves between runs
     (docs/PERFORMANCE.md, session 20)."""
 
-    def __init__(self, device: int | None = None) -> None:
-        index = torch.cuda.current_device() if device is None else device
+    def __init__(self) -> None:
         # nvidia-smi numbers GPUs its own way (CUDA_VISIBLE_DEVICES does not apply to
-        # it): name this one by its UUID.
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        # it): name the current one by its UUID.
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         self._gpu = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
         self._proc: subprocess.Popen | None = None
         self.mhz: float | None = None
 
     def __enter__(self) -> SmClock:
-        try:
+        with contextlib.suppress(OSError):  # no nvidia-smi: mhz stays None
             self._proc = subprocess.Popen(
                 ["nvidia-smi", "-i", self._gpu, "--query-gpu=clocks.sm",
                  "--format=csv,noheader,nounits", "-lms", "50"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self._proc = None
         return self
 
     def __exit__(self, *exc: object) -> None:
