@@ -11,7 +11,9 @@ so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
 
 * a producer warp walks the block table and issues bulk tensor copies (TMA) into a
   ring of STAGES tile buffers, each guarded by a `ready` and an `empty` mbarrier, so a
-  buffer is refilled the moment the consumer lets go of it;
+  buffer is refilled the moment the consumer lets go of it; the first STAGES tiles'
+  copies leave from the prologue, as soon as q's loads are on their way
+  (`copy_first_tiles`);
 * the consumer warpgroup runs the swapped products with wgmma, S^T = K Q^T over all
   L + R columns and O^T += V^T P^T over the first L (positions are the MMA's 64 rows, so
   16 heads do not pad to 64), and the online softmax (base 2) between them.
@@ -147,30 +149,30 @@ def query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
 @gluon.jit
 def load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
            BLOCK_H: gl.constexpr, L: gl.constexpr, HALF_L: gl.constexpr, R: gl.constexpr,
-           rows: gl.constexpr, Q_SCALE: gl.constexpr = 1.0):
-    """The program's q rows (row r: token r // N, head r % N; zero past num_rows), times
-    Q_SCALE (a power of two), in shared memory for wgmma: [BLOCK_H, HALF_L] x 2 and
-    [BLOCK_H, R]."""
-    compute: gl.constexpr = q_ptr.dtype.element_ty
+           rows: gl.constexpr):
+    """The program's q rows (row r: token r // N, head r % N; zero past num_rows) in
+    registers, in `rows`: [BLOCK_H, HALF_L] x 2 (the latent halves) and [BLOCK_H, R]."""
     q_rows, r_ok = query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
                               stride_qh, BLOCK_H, gl.SliceLayout(1, rows))
     cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
     cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF_L], compute)
-    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], compute)
-    q_a = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        _times(gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0),
-               Q_SCALE))
-    q_b = gl.allocate_shared_memory(
-        compute, [BLOCK_H, HALF_L], q_layout,
-        _times(gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None],
-                       other=0.0), Q_SCALE))
-    q_r = gl.allocate_shared_memory(
-        compute, [BLOCK_H, R], q_r_layout,
-        _times(gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0),
-               Q_SCALE))
-    return q_a, q_b, q_r
+    x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None], other=0.0)
+    x_b = gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None], other=0.0)
+    x_r = gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None], other=0.0)
+    return x_a, x_b, x_r
+
+
+@gluon.jit
+def q_operands(x_a, x_b, x_r, Q_SCALE: gl.constexpr = 1.0):
+    """q's parts from `load_q` times Q_SCALE (a power of two), in shared memory for
+    wgmma."""
+    compute: gl.constexpr = x_a.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(x_a.type.shape, compute)
+    q_r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(x_r.type.shape, compute)
+    return (gl.allocate_shared_memory(compute, x_a.type.shape, q_layout, _times(x_a, Q_SCALE)),
+            gl.allocate_shared_memory(compute, x_b.type.shape, q_layout, _times(x_b, Q_SCALE)),
+            gl.allocate_shared_memory(compute, x_r.type.shape, q_r_layout,
+                                      _times(x_r, Q_SCALE)))
 
 
 @gluon.jit
@@ -185,41 +187,79 @@ def _copy_starts(table_row, start, last, hi, COPIES: gl.constexpr, CHUNK: gl.con
 
 
 @gluon.jit
+def _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, bar, slot, rows, index, at):
+    """Issue one tile's bulk copies into ring buffer `slot`, completing on the mbarrier
+    `bar`: copy j (the descriptors' box of CHUNK rows) starts at cache row rows[at + j]
+    (`_copy_starts`; index: arange over rows, in its layout)."""
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    CHUNK: gl.constexpr = latent_desc.block_type.shape[0]
+    COPIES: gl.constexpr = ring_a.type.shape[1] // CHUNK
+    mbarrier.expect(bar, COPIES * (2 * latent_desc.block_type.nbytes
+                                   + rope_desc.block_type.nbytes))
+    for j in gl.static_range(COPIES):
+        row = gl.sum(gl.where(index == at + j, rows, 0), 0)
+        tma.async_copy_global_to_shared(latent_desc, [row, 0], bar,
+                                        ring_a.index(slot).slice(j * CHUNK, CHUNK))
+        tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar,
+                                        ring_b.index(slot).slice(j * CHUNK, CHUNK))
+        tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar,
+                                        ring_r.index(slot).slice(j * CHUNK, CHUNK))
+
+
+@gluon.jit
+def copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, table_row, lo,
+                     hi, num_tiles, PAGE: gl.constexpr):
+    """Issue the copies of the slice's first tiles, one per ring buffer (all free yet),
+    from the program's prologue: their block-table entries in one round trip to memory,
+    made beside q's, and the copies right after, so that they fly while the prologue
+    finishes and the warps fork. Returns the tiles issued, where `produce_tiles` goes
+    on."""
+    STAGES: gl.constexpr = ring_a.type.shape[0]
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    CHUNK: gl.constexpr = latent_desc.block_type.shape[0]
+    COPIES: gl.constexpr = TILE_N // CHUNK
+    # Every thread holds every entry, so picking one is a sum within the thread.
+    every: gl.constexpr = gl.BlockedLayout([STAGES * COPIES], [32], [gl.num_warps()], [0])
+    index = gl.arange(0, STAGES * COPIES, every)
+    last = gl.maximum(hi - 1, 0) // CHUNK * CHUNK
+    pos = gl.minimum(lo + CHUNK * index, last)
+    page = gl.load(table_row + pos // PAGE, mask=pos < hi, other=0)
+    rows = page * PAGE + pos % PAGE
+    fence_async_shared()  # the ring's mbarriers, initialised, before the copy engine's use
+    for k in gl.static_range(STAGES):
+        if k < num_tiles:
+            _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(k), k,
+                       rows, index, k * COPIES)
+    return gl.minimum(num_tiles, STAGES)
+
+
+@gluon.jit
 def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
-                  lo, hi, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
-    """Producer warp: copy tile i into ring buffer i % STAGES once it is free, in
-    TILE_N / CHUNK bulk copies of CHUNK rows (the descriptors' box), each inside a page.
+                  lo, hi, first, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    """Producer warp: copy tile i (from `first` on: `copy_first_tiles` issued those
+    before) into ring buffer i % STAGES once it is free, in TILE_N / CHUNK bulk copies of
+    CHUNK rows (the descriptors' box), each inside a page.
 
     The block-table entries of the next tile are loaded before waiting for a buffer, so
     their latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
     for fp8 at B = 128 x 8k, one copy per tile)."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
-    HALF_L: gl.constexpr = ring_a.type.shape[2]
     CHUNK: gl.constexpr = latent_desc.block_type.shape[0]
     COPIES: gl.constexpr = TILE_N // CHUNK
-    nbytes: gl.constexpr = COPIES * (2 * latent_desc.block_type.nbytes
-                                     + rope_desc.block_type.nbytes)
     one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     index = gl.arange(0, COPIES, one_warp)
     last = gl.maximum(hi - 1, 0) // CHUNK * CHUNK
-    rows = _copy_starts(table_row, lo, last, hi, COPIES, CHUNK, PAGE, one_warp)
-    for i in range(num_tiles):
+    rows = _copy_starts(table_row, lo + first * TILE_N, last, hi, COPIES, CHUNK, PAGE,
+                        one_warp)
+    for i in range(first, num_tiles):
         slot = i % STAGES
         start = lo + i * TILE_N
         rows_next = _copy_starts(table_row, start + TILE_N, last, hi, COPIES, CHUNK, PAGE,
                                  one_warp)
         # A fresh mbarrier counts as having completed the phase before phase 0.
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, nbytes)
-        for j in gl.static_range(COPIES):
-            row = gl.sum(gl.where(index == j, rows, 0), 0)
-            tma.async_copy_global_to_shared(latent_desc, [row, 0], bar,
-                                            ring_a.index(slot).slice(j * CHUNK, CHUNK))
-            tma.async_copy_global_to_shared(latent_desc, [row, HALF_L], bar,
-                                            ring_b.index(slot).slice(j * CHUNK, CHUNK))
-            tma.async_copy_global_to_shared(rope_desc, [row, 2 * HALF_L], bar,
-                                            ring_r.index(slot).slice(j * CHUNK, CHUNK))
+        _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(slot), slot,
+                   rows, index, 0)
         rows = rows_next
 
 
@@ -325,8 +365,12 @@ def _decode_partial_ws_kernel(
     rope_layout: gl.constexpr = rope_desc.layout
     ring_a, ring_b, ring_r, ready, empty = allocate_ring(
         latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
-    q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+    x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
+    first = copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, table_row,
+                             lo, hi, num_tiles, PAGE)
+    q_a, q_b, q_r = q_operands(x_a, x_b, x_r)
     p_smem = gl.allocate_shared_memory(
         compute, [TILE_N, BLOCK_H],
         gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_H], compute))
@@ -336,13 +380,12 @@ def _decode_partial_ws_kernel(
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
     r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
     limit = seq_len - q_len + r_mma // num_heads + 1
-    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
     acc_a, acc_b, m_i, l_i = gl.warp_specialize([
         (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi,
                     num_tiles, limit, qk_scale, STAGES, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, hi, num_tiles, PAGE, STAGES)),
+                         table_row, lo, hi, first, num_tiles, PAGE, STAGES)),
     ], [1], [24])
 
     gdc_launch_dependents()  # the combine may launch now; it waits for this grid

@@ -57,11 +57,12 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
     allocate_ring,
+    copy_first_tiles,
     launch,
+    load_q,
     pages_copyable,
     produce_tiles,
     program_slice,
-    query_rows,
     zero_tail,
 )
 from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
@@ -352,16 +353,14 @@ def _decode_fp8_kernel(
 
     # q's rows (row r: token r // N, head r % N; zero past num_rows), each scaled by a
     # power of two that puts its largest entry in (Q_TOP / 2, Q_TOP].
-    q_rows, r_ok = query_rows(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
-                              stride_qh, BLOCK_H, gl.SliceLayout(1, rows))
-    cols = gl.arange(0, HALF_L, gl.SliceLayout(0, rows))
-    cols_r = gl.arange(0, R, gl.SliceLayout(0, rows))
-    x_a = gl.load(q_rows[:, None] + cols[None, :], mask=r_ok[:, None],
-                  other=0.0).to(gl.float32)
-    x_b = gl.load(q_rows[:, None] + HALF_L + cols[None, :], mask=r_ok[:, None],
-                  other=0.0).to(gl.float32)
-    x_r = gl.load(q_rows[:, None] + L + cols_r[None, :], mask=r_ok[:, None],
-                  other=0.0).to(gl.float32)
+    x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+                           BLOCK_H, L, HALF_L, R, rows)
+    x_a = x_a.to(gl.float32)
+    x_b = x_b.to(gl.float32)
+    x_r = x_r.to(gl.float32)
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+    first = copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, table_row,
+                             lo, hi, num_tiles, PAGE)
     q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1),
                                                gl.max(gl.abs(x_b), 1)),
                                     gl.max(gl.abs(x_r), 1)))
@@ -390,8 +389,6 @@ def _decode_fp8_kernel(
     # queued behind other programs' tile copies, pay in microseconds.
     qk_scales = gl.allocate_shared_memory(
         gl.float32, [BLOCK_H], vector, softmax_scale * 1.4426950408889634 * kv_scale / q_scale)
-    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
-
     limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
         (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
@@ -401,7 +398,7 @@ def _decode_fp8_kernel(
                          p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
                          qk_scales, kept, kept_ml, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, hi, num_tiles, PAGE, STAGES)),
+                         table_row, lo, hi, first, num_tiles, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
     acc0, acc1, acc2, acc3, m_i, l_i = _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept,
                                              kept_ml, mma)

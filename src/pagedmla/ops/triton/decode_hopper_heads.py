@@ -61,6 +61,7 @@ from pagedmla.ops.triton.decode_hopper import (
     pages_copyable,
     produce_tiles,
     program_slice,
+    q_operands,
     query_rows,
     zero_tail,
 )
@@ -362,8 +363,9 @@ def _decode_heads_kernel(
     for k in gl.static_range(3):
         mbarrier.init(handoff.index(k), count=1)
 
-    q_a, q_b, q_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
-                           BLOCK_H, L, HALF_L, R, rows, 2.0 ** Q_EXP)
+    x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+                           BLOCK_H, L, HALF_L, R, rows)
+    q_a, q_b, q_r = q_operands(x_a, x_b, x_r, 2.0 ** Q_EXP)
     p_smem = gl.allocate_shared_memory(
         compute, [BLOCK_H, TILE_N],
         gl.NVMMASharedLayout.get_default_for([BLOCK_H, TILE_N], compute))
@@ -402,7 +404,7 @@ def _decode_heads_kernel(
                       q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
                       stride_qh, True, 0)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                             table_row, lo, hi, num_tiles, PAGE, STAGES)),
+                             table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
         ], [4, 1], [SCORE_REGS, 24])
 
     mbarrier.wait(done, 0)
