@@ -57,7 +57,6 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
     allocate_ring,
-    copy_first_tiles,
     launch,
     load_q,
     pages_copyable,
@@ -358,9 +357,6 @@ def _decode_fp8_kernel(
     x_a = x_a.to(gl.float32)
     x_b = x_b.to(gl.float32)
     x_r = x_r.to(gl.float32)
-    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
-    first = copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, table_row,
-                             lo, hi, num_tiles, PAGE)
     q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1),
                                                gl.max(gl.abs(x_b), 1)),
                                     gl.max(gl.abs(x_r), 1)))
@@ -389,6 +385,8 @@ def _decode_fp8_kernel(
     # queued behind other programs' tile copies, pay in microseconds.
     qk_scales = gl.allocate_shared_memory(
         gl.float32, [BLOCK_H], vector, softmax_scale * 1.4426950408889634 * kv_scale / q_scale)
+    table_row = block_table_ptr + req.to(gl.int64) * stride_bt
+
     limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
         (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
@@ -398,7 +396,7 @@ def _decode_fp8_kernel(
                          p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
                          qk_scales, kept, kept_ml, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, hi, first, num_tiles, PAGE, STAGES)),
+                         table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
     acc0, acc1, acc2, acc3, m_i, l_i = _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept,
                                              kept_ml, mma)
