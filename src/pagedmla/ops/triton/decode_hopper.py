@@ -222,9 +222,7 @@ def copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, tabl
     every: gl.constexpr = gl.BlockedLayout([STAGES * COPIES], [32], [gl.num_warps()], [0])
     index = gl.arange(0, STAGES * COPIES, every)
     last = gl.maximum(hi - 1, 0) // CHUNK * CHUNK
-    pos = gl.minimum(lo + CHUNK * index, last)
-    page = gl.load(table_row + pos // PAGE, mask=pos < hi, other=0)
-    rows = page * PAGE + pos % PAGE
+    rows = _copy_starts(table_row, lo, last, hi, STAGES * COPIES, CHUNK, PAGE, every)
     fence_async_shared()  # the ring's mbarriers, initialised, before the copy engine's use
     for k in gl.static_range(STAGES):
         if k < num_tiles:
