@@ -272,14 +272,17 @@ def _zero_rows(buf, start, hi, layout: gl.constexpr):
 
 @gluon.jit
 def zero_tail(k_a, k_b, k_r, start, hi, layout: gl.constexpr):
-    """Zero, in place, the rows at positions >= hi of a 16-bit tile (its latent halves
-    and rope part), then order the stores before the products' reads. Only the slice's
-    last, partial tile has such rows: slots past seq_len may hold NaN, and 0 x NaN would
-    reach the output."""
+    """Zero, in place, the rows at positions >= hi of a tile (its latent halves and rope
+    part), then order the stores before the products' reads. Only the slice's last,
+    partial tile has such rows: slots past seq_len may hold NaN, and 0 x NaN would reach
+    the output."""
     _zero_rows(k_a, start, hi, layout)
     _zero_rows(k_b, start, hi, layout)
     _zero_rows(k_r, start, hi, layout)
     fence_async_shared()
+    # The warps' stores before any warp's reads. Left to Triton, this barrier lands after
+    # the caller's branch, on every tile's path (one bar.sync per tile, sm_90a SASS).
+    gl.thread_barrier()
 
 
 @gluon.jit
