@@ -24,12 +24,13 @@ and each multiplies the e4m3 codes as they arrive:
   the last tile (16 products per tile instead of 32: each product's latency, not the
   tensor cores' rate, is what a consumer's chain of work per tile pays). e4m3 wgmma
   wants both operands K-major, and V^T's K (the positions) is the cache's row index, so
-  V^T comes from registers: each thread loads 4-byte words (4 adjacent latent columns of
-  one position) for 4 positions and transposes the 4 x 4 bytes with 8 byte permutes
-  (`_TRANSPOSE`). Which register gets which byte is set up by the shared-memory view
-  `_V_VIEW`, which labels the loaded bytes so that after the transpose they sit where
-  wgmma's A fragment wants them; the product's row index l' is a bit permutation of the
-  latent column (`_sigma`), undone when O is stored.
+  V^T comes from registers. `ldmatrix.trans` reads the tile as 16-bit pairs of adjacent
+  columns and hands each thread, per register, one pair for two adjacent positions; two
+  byte permutes per two registers (`_DEINTERLEAVE`) then give words of 4 positions of
+  one column, as wgmma's A fragment wants them (session 21's 4-byte loads and 4 x 4
+  transposes took four times the load instructions and twice the permutes). The
+  product's row index l' is a bit permutation of the latent column (`_sigma`), a
+  relabelling of the loaded tensor, undone when O is stored.
 
 The second consumer leaves its O^T, m and l in shared memory; the first folds them into
 its own before the store. The first takes the odd tiles: in a slice of an even count the
@@ -80,34 +81,20 @@ CONSUMERS = gl.constexpr(2)  # consumer warpgroups (_consume, _consume_kept): al
 # warp's warpgroup's 24, all 64K of the register file.
 CONSUMER_REGS = gl.constexpr(232)
 
-# 4 x 4 byte transpose of four 32-bit words: output word i, byte j = input word j, byte i.
-_TRANSPOSE = gl.constexpr("""{
-.reg .b32 a, b, c, d;
-prmt.b32 a, $4, $5, 0x5140;
-prmt.b32 b, $6, $7, 0x5140;
-prmt.b32 $0, a, b, 0x5410;
-prmt.b32 $1, a, b, 0x7632;
-prmt.b32 c, $4, $5, 0x7362;
-prmt.b32 d, $6, $7, 0x7362;
-prmt.b32 $2, c, d, 0x5410;
-prmt.b32 $3, c, d, 0x7632;
+# V^T's A operand, one 128-column block of a tile: the block's bytes read as 16-bit
+# pairs of adjacent columns, [TILE_N positions, 64 pairs], in a layout that Triton loads
+# with `ldmatrix.trans` (four instructions per thread for the block). Bases: registers
+# take positions 1, 2, 16, 32 and pair 32 (a 32-bit register holds positions p and
+# p + 1 of one pair), lanes positions 4, 8 and pairs 1, 2, 4, warps pairs 8, 16.
+_V_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+    [[1, 0], [2, 0], [16, 0], [32, 0], [0, 32]], [[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+    [[0, 8], [0, 16]], [], [64, 64]))
+# Four pairs (4 positions, one pair of columns) in two words -> the even columns' four
+# bytes and the odd columns' (positions along each word, as wgmma's fragment wants).
+_DEINTERLEAVE = gl.constexpr("""{
+prmt.b32 $0, $2, $3, 0x6420;
+prmt.b32 $1, $2, $3, 0x7531;
 }""")
-
-# V^T's A operand, one 128-column block of a latent half, [128 l', 64 positions] e4m3,
-# as wgmma's fragment wants it after `_TRANSPOSE`: bytes of a word run along positions
-# (registers 0-1), and the four words of a transpose group along l' bits 3 and 6
-# (registers 2-3); lanes and warps as the A fragment of m64nNk32.
-_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    [[0, 1], [0, 2], [8, 0], [64, 0], [0, 16], [0, 32]],
-    [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [128, 64]))
-# The block's ring buffer ([64 positions, 128 columns], 128-byte swizzle) as uint8
-# [l', position] labelled for that layout before the transpose: a word holds 4 adjacent
-# columns of one position, so the labels of bytes and words swap (position bits 0-1 <->
-# l' bits 3 and 6), and l' = _sigma^-1(column) otherwise. Basis i is the label of the
-# byte at offset 2^i.
-_V_VIEW = gl.constexpr(gl.SharedLinearLayout(
-    [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0], [16, 0], [32, 0], [12, 0], [80, 0], [32, 4],
-     [0, 8], [0, 16], [0, 32]]))
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
@@ -121,10 +108,9 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
 
 @gluon.jit
 def _sigma(row):
-    """Latent column (within a 128-column block) of row l' of O^T: bits (l'3, l'6, l'0,
-    l'1, l'2, l'4, l'5) become the column's bits 0-6."""
-    return (((row >> 3) & 1) | (((row >> 6) & 1) << 1) | ((row & 7) << 2)
-            | (((row >> 4) & 3) << 5))
+    """Latent column (within a 128-column block) of row l' of O^T: bits (l'3, l'0, l'1,
+    l'2, l'4, l'5, l'6) become the column's bits 0-6."""
+    return ((row >> 3) & 1) | ((row & 7) << 1) | (row & 0x70)
 
 
 @gluon.jit
@@ -159,9 +145,14 @@ def _v_operand(block, a_regs: gl.constexpr):
     """V^T of one 128-column block of a tile ([128 l', TILE_N] e4m3, rows in _sigma
     order) as wgmma's register operand."""
     TILE_N: gl.constexpr = block.type.shape[0]
-    words = block._reinterpret(gl.uint8, [128, TILE_N], _V_VIEW).load(_V_LOAD)
-    v = gl.inline_asm_elementwise(_TRANSPOSE, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.uint8,
-                                  is_pure=True, pack=16)
+    pairs = block._reinterpret(gl.int16, [TILE_N, 64], gl.NVMMASharedLayout(128, 16)).load(
+        _V_PAIRS)
+    even, odd = gl.inline_asm_elementwise(_DEINTERLEAVE, "=r,=r,r,r", [pairs],
+                                          dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+    v_t = gl.join(even, odd).reshape([TILE_N, 128]).permute((1, 0))  # [column, position]
+    # Rows from columns to l' = _sigma^-1(column): a relabelling, no data moves.
+    bits = v_t.reshape([2, 2, 2, 2, 2, 2, 2, TILE_N]).permute((0, 1, 2, 6, 3, 4, 5, 7))
+    v = bits.reshape([128, TILE_N])
     return gl.convert_layout(v.to(gl.float8e4nv, bitcast=True), a_regs)
 
 
