@@ -384,7 +384,7 @@ def _decode_fp8_kernel(
                                                                   gl.float8e4nv)
     p_terms = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, 2 * BLOCK_H, TILE_N],
                                         p_layout)
-    col_max = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 4, BLOCK_H],
+    max_scratch = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 4, BLOCK_H],
                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kept = gl.allocate_shared_memory(gl.float32, [4, 128, BLOCK_H],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -405,10 +405,10 @@ def _decode_fp8_kernel(
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
         (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
                     lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 1,
-                    col_max.index(0), mma, rows)),
+                    max_scratch.index(0), mma, rows)),
         (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r,
                          p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
-                         qk_scales, kept, kept_ml, col_max.index(1), mma, rows)),
+                         qk_scales, kept, kept_ml, max_scratch.index(1), mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                          table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
