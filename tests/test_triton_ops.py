@@ -45,6 +45,7 @@ Tolerances
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -1264,6 +1265,27 @@ def test_stream_read_sums_every_element(dtype: torch.dtype, n: int) -> None:
     parts = stream_read(x)()
     assert parts.shape == (math.ceil(n / 8192),)
     assert math.isclose(parts.double().sum().item(), x.double().sum().item(), abs_tol=1e-3)
+
+
+@pytest.mark.cuda
+@cuda
+def test_bench_covered_keeps_host_work_off_the_clock() -> None:
+    # A call whose host side takes 2 ms ahead of a ~30 µs kernel: timed as `bench`
+    # times it, the GPU's wait for the host counts; `bench_covered` gives the kernel's
+    # time, and `host_us` the host's.
+    from pagedmla.kernel_bench import bench, bench_covered, host_us
+
+    x = torch.randn(1 << 24, device=DEVICE)
+
+    def call() -> None:
+        time.sleep(2e-3)
+        x.mul_(1.0)
+
+    kernel_us = bench_covered(lambda: x.mul_(1.0), rep_ms=20)
+    assert kernel_us < 500
+    assert bench_covered(call, rep_ms=20, max_calls=20) < kernel_us + 100
+    assert bench(call, rep_ms=40) > 1500
+    assert 1900 < host_us(call, calls=10) < 20000
 
 
 def test_sm_clock_median_skips_what_is_not_a_number() -> None:

@@ -32,6 +32,8 @@ same kernel without the ping-pong (both consumers in one partition) 0.78-0.93x c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -371,8 +373,13 @@ def _row_descriptor(t: torch.Tensor, block_rows: int, width: int) -> TensorDescr
     reads."""
     tokens, heads, dim = t.shape
     shape = [tokens, (heads - 1) * t.stride(1) + dim]
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, width], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, shape, [t.stride(0), 1], [block_rows, width], layout)
+    return TensorDescriptor(t, shape, [t.stride(0), 1], [block_rows, width],
+                            _box_layout(block_rows, width, t.dtype))
+
+
+@functools.cache  # building a layout costs more host time than the descriptor itself
+def _box_layout(block_rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([block_rows, width], _GL_DTYPES[dtype])
 
 
 def head_group(num_heads: int, max_seqlen_k: int, width: int, q: torch.Tensor) -> int:
