@@ -26,7 +26,7 @@ the sequence are masked out of the scores, and their V rows are zeroed in shared
 before P V (they belong to the next sequence and need not be finite).
 
 Measured on an H200 (docs/PERFORMANCE.md): qk 192 / v 128 causal, N = 16-128, 4k-16k
-tokens, 0.90-1.01x PyTorch's cuDNN attention and 1.09-1.40x the Triton kernel; the
+tokens, 0.90-1.04x PyTorch's cuDNN attention and 1.12-1.43x the Triton kernel; the
 same kernel without the ping-pong (both consumers in one partition) 0.78-0.93x cuDNN.
 """
 
