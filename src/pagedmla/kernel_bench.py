@@ -80,10 +80,11 @@ def bench_covered(fn: Callable[[], object], rep_ms: int = 100, max_calls: int = 
 
     `bench` starts each call's clock when the wipe before it ends; a call whose Python
     and launch work outlast the wipe (~60 µs) is timed from then, idle GPU included (the
-    Gluon prefill path's host side takes 120-260 µs per call on the H200 machine,
-    docs/PERFORMANCE.md). Here a spin kernel that outlasts the host's work for all the
-    timed calls is queued first, so every call is already queued when the GPU reaches
-    it. For eager calls whose host work is part of what is measured, use `bench`."""
+    Gluon prefill path's host side took 120-260 µs per call on the H200 machine,
+    docs/PERFORMANCE_HISTORY.md, session 23). Here a spin kernel that outlasts the
+    host's work for all the timed calls is queued first, so every call is already queued
+    when the GPU reaches it. For eager calls whose host work is part of what is
+    measured, use `bench`."""
     wipe = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
 
     def timed() -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -125,7 +126,7 @@ class SmClock:
     lowers the SM clock (reason "SW power cap"), seen from ~1950 down to ~1400 MHz. A
     kernel bound by its chains of dependent instructions (the fp8 decode) slows with the
     clock, one bound by HBM (bf16 decode) does not, so their ratio moves between runs
-    (docs/PERFORMANCE.md, session 20)."""
+    (docs/PERFORMANCE_HISTORY.md, session 20)."""
 
     def __init__(self) -> None:
         # nvidia-smi numbers GPUs its own way (CUDA_VISIBLE_DEVICES does not apply to
