@@ -83,8 +83,8 @@ def bench_covered(fn: Callable[[], object], rep_ms: int = 100, max_calls: int = 
     Gluon prefill path's host side took 120-260 µs per call on the H200 machine,
     docs/PERFORMANCE_HISTORY.md, session 23). Here a spin kernel that outlasts the
     host's work for all the timed calls is queued first, so every call is already queued
-    when the GPU reaches it. For eager calls whose host work is part of what is
-    measured, use `bench`."""
+    when the GPU reaches it (fn must not wait for the device, or the head start is
+    lost). For eager calls whose host work is part of what is measured, use `bench`."""
     wipe = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
 
     def timed() -> tuple[torch.cuda.Event, torch.cuda.Event]:
