@@ -32,12 +32,16 @@ and each multiplies the e4m3 codes as they arrive:
   product's row index l' is a bit permutation of the latent column (`_sigma`), a
   relabelling of the loaded tensor, undone when O is stored.
 
-The second consumer leaves its O^T, m and l in shared memory; the first folds them into
-its own before the store. The first takes the odd tiles: in a slice of an even count the
-second then ends first and leaves its state while the first runs the last tile (2-4%
-faster on one or two requests of 8k, unchanged on large batches). Rows at or past the
-slice end may hold NaN codes (0 x NaN would reach the output): the slice's last, partial
-tile is zeroed there in place, as `decode_hopper` does for 16-bit caches.
+The kernel forks into its partitions before q is loaded: the producer's first copies
+then fly while the two consumers load q and store its terms, half each (0.5-5.8% faster
+on the N = 16 grids than the same work ahead of the fork; same-run A/B on an H200,
+session 25). The second consumer leaves its O^T, m and l in shared memory; the first
+folds them into its own before the store. The first takes the odd tiles: in a slice of
+an even count the second then ends first and leaves its state while the first runs the
+last tile (2-4% faster on one or two requests of 8k, unchanged on large batches). Rows
+at or past the slice end may hold NaN codes (0 x NaN would reach the output): the
+slice's last, partial tile is zeroed there in place, as `decode_hopper` does for 16-bit
+caches.
 """
 
 from __future__ import annotations
@@ -123,15 +127,46 @@ def _two_terms(x):
 
 
 @gluon.jit
-def _q_terms(x, scale, layout: gl.constexpr):
-    """q columns x [BLOCK_H, W] times the rows' scale, as two e4m3 terms stacked in
-    shared memory (wgmma's B operand, [2 BLOCK_H, W]: the hi terms' rows, then the lo
-    terms')."""
+def _q_terms(x, scale):
+    """q columns x [BLOCK_H, W] times the rows' scale, as two e4m3 terms stacked as
+    wgmma's B operand wants them in shared memory ([2 BLOCK_H, W]: the hi terms' rows,
+    then the lo terms')."""
     hi, lo = _two_terms(x * scale[:, None])
     ROWS: gl.constexpr = x.shape[0]
     W: gl.constexpr = x.shape[1]
-    terms = gl.join(hi, lo).permute((2, 0, 1)).reshape([2 * ROWS, W])
-    return gl.allocate_shared_memory(gl.float8e4nv, [2 * ROWS, W], layout, terms)
+    return gl.join(hi, lo).permute((2, 0, 1)).reshape([2 * ROWS, W])
+
+
+@gluon.jit
+def _q_prologue(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh, q_a, q_b,
+                q_r, qk_scales, qk_base, q_ready, c: gl.constexpr, rows: gl.constexpr):
+    """Consumer c's part of q, from its own partition: the kernel forks before q is
+    loaded, so the producer's first copies fly while both consumers load q's rows (row
+    r: token r // N, head r % N; zero past num_rows) and scale each by the power of two
+    that puts its largest entry in (Q_TOP / 2, Q_TOP]. The first consumer stores the
+    first latent half's terms (q_a), the second the rest (q_b, q_r); each stores its
+    own qk_scales row (qk_base / the rows' scale: S^T's columns to base-2 logits), then
+    both wait at q_ready (count 2) for all of it."""
+    BLOCK_H: gl.constexpr = q_a.type.shape[0] // 2
+    HALF_L: gl.constexpr = q_a.type.shape[1]
+    R: gl.constexpr = q_r.type.shape[1]
+    x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
+                           BLOCK_H, 2 * HALF_L, HALF_L, R, rows)
+    x_a = x_a.to(gl.float32)
+    x_b = x_b.to(gl.float32)
+    x_r = x_r.to(gl.float32)
+    q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1),
+                                               gl.max(gl.abs(x_b), 1)),
+                                    gl.max(gl.abs(x_r), 1)))
+    if c == 0:
+        q_a.store(_q_terms(x_a, q_scale))
+    else:
+        q_b.store(_q_terms(x_b, q_scale))
+        q_r.store(_q_terms(x_r, q_scale))
+    qk_scales.index(c).store(qk_base / q_scale)
+    fence_async_shared()  # the terms (generic proxy) before wgmma reads them (async)
+    mbarrier.arrive(q_ready, count=1)
+    mbarrier.wait(q_ready, 0)
 
 
 @gluon.jit
@@ -287,14 +322,32 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, h
 
 
 @gluon.jit
+def _consume_first(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
+                   num_tiles, limit_0, group, num_heads, qk_scales, scratch, q_ptr, q_begin,
+                   num_rows, stride_qt, stride_qh, qk_base, q_ready, mma: gl.constexpr,
+                   rows: gl.constexpr):
+    """The first consumer warpgroup: its part of q (`_q_prologue`), then tiles 1, 3, 5,
+    ... of the slice (`_consume`)."""
+    _q_prologue(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh, q_a, q_b,
+                q_r, qk_scales, qk_base, q_ready, 0, rows)
+    return _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
+                    num_tiles, limit_0, group, num_heads, qk_scales.index(0), 1, scratch,
+                    mma, rows)
+
+
+@gluon.jit
 def _consume_kept(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi,
                   num_tiles, limit_0, group, num_heads, qk_scales, kept, kept_ml, scratch,
+                  q_ptr, q_begin, num_rows, stride_qt, stride_qh, qk_base, q_ready,
                   mma: gl.constexpr, rows: gl.constexpr):
-    """The second consumer warpgroup: tiles 0, 2, 4, ... of the slice (`_consume`), its
-    O^T blocks, m_i and l_i left in kept [4, 128, BLOCK_H] and kept_ml [2, BLOCK_H]."""
+    """The second consumer warpgroup: its part of q (`_q_prologue`), then tiles 0, 2, 4,
+    ... of the slice (`_consume`), its O^T blocks, m_i and l_i left in kept [4, 128,
+    BLOCK_H] and kept_ml [2, BLOCK_H]."""
+    _q_prologue(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh, q_a, q_b,
+                q_r, qk_scales, qk_base, q_ready, 1, rows)
     acc0, acc1, acc2, acc3, m_i, l_i = _consume(
         ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, hi, num_tiles,
-        limit_0, group, num_heads, qk_scales, 0, scratch, mma, rows)
+        limit_0, group, num_heads, qk_scales.index(1), 0, scratch, mma, rows)
     kept.index(0).store(acc0)
     kept.index(1).store(acc1)
     kept.index(2).store(acc2)
@@ -361,23 +414,13 @@ def _decode_fp8_kernel(
     ring_a, ring_b, ring_r, ready, empty = allocate_ring(
         latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
 
-    # q's rows (row r: token r // N, head r % N; zero past num_rows), each scaled by a
-    # power of two that puts its largest entry in (Q_TOP / 2, Q_TOP].
-    x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
-                           BLOCK_H, L, HALF_L, R, rows)
-    x_a = x_a.to(gl.float32)
-    x_b = x_b.to(gl.float32)
-    x_r = x_r.to(gl.float32)
-    q_scale = _row_scale(gl.maximum(gl.maximum(gl.max(gl.abs(x_a), 1),
-                                               gl.max(gl.abs(x_b), 1)),
-                                    gl.max(gl.abs(x_r), 1)))
     latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, HALF_L],
                                                                   gl.float8e4nv)
     rope_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, R],
                                                                 gl.float8e4nv)
-    q_a = _q_terms(x_a, q_scale, latent_q)
-    q_b = _q_terms(x_b, q_scale, latent_q)
-    q_r = _q_terms(x_r, q_scale, rope_q)
+    q_a = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, HALF_L], latent_q)
+    q_b = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, HALF_L], latent_q)
+    q_r = gl.allocate_shared_memory(gl.float8e4nv, [2 * BLOCK_H, R], rope_q)
     # Each consumer's P terms and `_col_max` scratch, and the second consumer's state for
     # `_fold`.
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, TILE_N],
@@ -390,25 +433,28 @@ def _decode_fp8_kernel(
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     vector: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     kept_ml = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], vector)
+    # Each consumer's copy of S^T's column scales (`_q_prologue`): through shared memory,
+    # where `_consume` loads them in S^T's column layout (a layout conversion of q's
+    # scale gave wrong values in some columns, Triton 3.6).
+    qk_scales = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_H], vector)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=CONSUMERS)
     fence_async_shared()
 
     # Scores in base 2: the cache stores x / scale, and q is q_scale times its value.
-    # Through shared memory, where each consumer loads it in S^T's column layout (a
-    # layout conversion of q_scale gave wrong values in some columns, Triton 3.6); not
-    # from q loaded a second time, a round trip to memory that the prologue's loads,
-    # queued behind other programs' tile copies, pay in microseconds.
-    qk_scales = gl.allocate_shared_memory(
-        gl.float32, [BLOCK_H], vector, softmax_scale * 1.4426950408889634 * kv_scale / q_scale)
+    qk_base = softmax_scale * 1.4426950408889634 * kv_scale
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
 
     limit_0 = seq_len - q_len + 1
     acc0, acc1, acc2, acc3, m_i, l_i = gl.warp_specialize([
-        (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms.index(0),
-                    lo, hi, num_tiles, limit_0, group, num_heads, qk_scales, 1,
-                    max_scratch.index(0), mma, rows)),
+        (_consume_first, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r,
+                          p_terms.index(0), lo, hi, num_tiles, limit_0, group, num_heads,
+                          qk_scales, max_scratch.index(0), q_ptr, q_begin, num_rows,
+                          stride_qt, stride_qh, qk_base, q_ready, mma, rows)),
         (_consume_kept, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r,
                          p_terms.index(1), lo, hi, num_tiles, limit_0, group, num_heads,
-                         qk_scales, kept, kept_ml, max_scratch.index(1), mma, rows)),
+                         qk_scales, kept, kept_ml, max_scratch.index(1), q_ptr, q_begin,
+                         num_rows, stride_qt, stride_qh, qk_base, q_ready, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                          table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
