@@ -821,6 +821,10 @@ def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
         (torch.bfloat16, torch.bfloat16, 24, 16, 512, "16"),  # copies of 8 rows
         (torch.bfloat16, torch.bfloat16, 4, 16, 512, None),  # copies under 8 rows
         (torch.bfloat16, torch.bfloat16, 64, 17, 512, "64"),
+        (torch.bfloat16, FP8, 64, 32, 512, "16"),  # fp8: two head groups of 16 rows
+        (torch.bfloat16, FP8, 64, 33, 512, "64"),
+        (torch.bfloat16, FP8, 4, 32, 512, "64"),  # pages the copies cannot fill
+        (torch.bfloat16, torch.bfloat16, 64, 32, 512, "64"),
         (torch.bfloat16, torch.bfloat16, 128, 128, 512, "64"),
         (torch.bfloat16, FP8, 32, 128, 512, "64"),
         (torch.bfloat16, torch.bfloat16, 32, 128, 512, "64"),
@@ -835,11 +839,12 @@ def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
 def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: int,
                               num_rows: int, L: int, takes: str | None) -> None:
     # Which Gluon kernel (if any) takes a call on a Hopper GPU, from the shapes alone:
-    # the 16-row kernel up to 16 query rows, the 64-row one above; 16-bit q; a cache of
-    # q's dtype or fp8; pages the copies can fill tiles from (a multiple of 8 rows),
-    # except fp8 in the 64-row kernel, whose widener loads rows of any page.
+    # the 16-row kernel up to 16 query rows (fp8: up to 32, in two head groups), the
+    # 64-row one above; 16-bit q; a cache of q's dtype or fp8; pages the copies can
+    # fill tiles from (a multiple of 8 rows), except fp8 in the 64-row kernel, whose
+    # widener loads rows of any page.
     # `decode.hopper_kernel` takes the first of its modules that supports the call: the
-    # e4m3-product kernel for an fp8 cache up to 16 rows.
+    # e4m3-product kernel for an fp8 cache up to 32 rows.
     from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8, decode_hopper_heads
 
     q = torch.zeros(1, num_rows, L + 64, dtype=q_dtype)
@@ -914,6 +919,31 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
     _check_hopper_decode(args, num_heads * max(q_lens), cache == "fp8", num_splits)
 
 
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(("q_lens", "num_heads"),
+                         [([1] * 6, 32), ([2, 1, 2, 1, 2, 2], 16), ([4, 1, 3, 4, 2, 4], 8),
+                          ([3, 1, 2, 3, 3, 1], 10)],
+                         ids=["q1-N32", "q2-N16", "q4-N8", "q3-N10"])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_gpu_hopper_fp8_two_head_groups(block_size: int, q_lens: list[int],
+                                               num_heads: int,
+                                               num_splits: int | None) -> None:
+    # 17-32 query rows with an fp8 cache: the e4m3-product kernel in two head groups of
+    # 16 rows (the second one partial at 30 rows), which read the same tiles; as the
+    # 16-row test above, against the reference and the Triton kernel.
+    from pagedmla.ops.triton import decode_hopper_fp8
+
+    seq_lens = [max(q_lens), 65, 64, 1000, 4097, 333]
+    args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
+                        FP8, seed=870 + block_size + num_heads)
+    num_rows = num_heads * max(q_lens)
+    assert 16 < num_rows <= decode_hopper_fp8.MAX_ROWS
+    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_fp8
+    _check_hopper_decode(args, num_rows, True, num_splits)
+
+
 def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
                          num_splits: int | None) -> None:
     """The Gluon kernel against the reference, and against the Triton kernel of the
@@ -959,8 +989,8 @@ def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
 @pytest.mark.parametrize("block_size", [1, 16, 32, 48, 128])
 @pytest.mark.parametrize(("q_lens", "num_heads"),
                          [([1] * 5, 128), ([2, 1, 2, 2, 1], 64), ([1] * 5, 40),
-                          ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 16)],
-                         ids=["q1-N128", "q2-N64", "q1-N40", "q3-N16", "q2-N16"])
+                          ([3, 1, 2, 3, 3], 16), ([2, 1, 2, 2, 1], 20)],
+                         ids=["q1-N128", "q2-N64", "q1-N40", "q3-N16", "q2-N20"])
 @pytest.mark.parametrize("num_splits", [1, None])
 def test_decode_gpu_hopper_heads_kernel_fp8(block_size: int, q_lens: list[int],
                                             num_heads: int, num_splits: int | None) -> None:

@@ -15,8 +15,8 @@ positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 6
 
 On a Hopper GPU, stage 1 runs as a warp-specialized Gluon kernel instead, with the same
 outputs: `decode_hopper` for at most 16 query rows per request (the memory-bound
-regime; `decode_hopper_fp8` with an fp8 cache), `decode_hopper_heads` for more (64 rows
-per program). A producer
+regime; `decode_hopper_fp8` with an fp8 cache, up to 32 rows in two head groups),
+`decode_hopper_heads` for more (64 rows per program). A producer
 warp streams the tiles while warpgroups compute, which plain Triton's software pipeline
 cannot express (see those modules).
 
@@ -573,9 +573,10 @@ def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, wi
 
 def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
     """The Gluon module whose warp-specialized stage 1 takes this call on a Hopper GPU:
-    for at most 16 query rows per request `decode_hopper_fp8` (fp8 cache) or
-    `decode_hopper`, `decode_hopper_heads` for more; None where none supports it (and
-    always off Hopper, under the interpreter, or where Triton lacks Gluon)."""
+    `decode_hopper_fp8` for an fp8 cache and at most 32 query rows per request,
+    `decode_hopper` for at most 16 (16-bit cache), `decode_hopper_heads` for more; None
+    where none supports it (and always off Hopper, under the interpreter, or where
+    Triton lacks Gluon)."""
     modules = gluon_modules(q.device, "decode_hopper_fp8", "decode_hopper",
                             "decode_hopper_heads") or ()
     return next((m for m in modules if m.supported(q, data, num_rows, L)), None)
@@ -641,8 +642,10 @@ def mla_decode(
     seq_len the graph will see, e.g. the model's max length). The split plan is made on
     the device from seq_lens (`split_plan`); `plans`, a dict the caller keeps for calls
     on the same seq_lens contents (the layers of one forward), holds it so that it is
-    made once. num_splits (pieces of the longest request) / config override the plan
-    and the kernel config (tuning, tests).
+    made once; a CUDA graph captured with the plan already in `plans` reads the plan's
+    tensors at every replay, so the dict must outlive the graph. num_splits (pieces of
+    the longest request) / config override the plan and the kernel config (tuning,
+    tests).
     """
     check_device(q, data)
     # (Positive: the 64-row kernel scales row maxima.)

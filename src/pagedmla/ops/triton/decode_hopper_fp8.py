@@ -1,11 +1,12 @@
-"""Stage 1 of paged latent decode on Hopper for an fp8 cache and at most 16 query rows:
-both products run on the tensor cores' e4m3 path, so the tile is never widened.
+"""Stage 1 of paged latent decode on Hopper for an fp8 cache and at most 32 query rows
+(16 per program: a request's rows in one or two head groups): both products run on the
+tensor cores' e4m3 path, so the tile is never widened.
 
-Same contract as `decode_hopper` (one program per piece of a request; final output or
-float32 partials plus lse), whose producer warp, ring and slice it shares. The widening
-kernel that ran before (session 16's, in git history) turned every e4m3 tile into a
-16-bit copy before its products, and that work, not the copy, held an fp8 cache to
-~1.1x the bf16 kernel's speed (this one: 1.3-1.8x on an H200 but for one or two
+Same contract as `decode_hopper` (one program per head group and piece of a request;
+final output or float32 partials plus lse), whose producer warp, ring and slice it
+shares. The widening kernel that ran before (session 16's, in git history) turned
+every e4m3 tile into a 16-bit copy before its products, and that work, not the copy,
+held an fp8 cache to ~1.1x the bf16 kernel's speed (this one: 1.3-1.8x on an H200 but for one or two
 requests of 8k, docs/PERFORMANCE.md). Here two consumer warpgroups take alternate tiles
 of the slice (one alone left the copies waiting on its chain of products and softmax),
 and each multiplies the e4m3 codes as they arrive:
@@ -42,6 +43,12 @@ last tile (2-4% faster on one or two requests of 8k, unchanged on large batches)
 at or past the slice end may hold NaN codes (0 x NaN would reach the output): the
 slice's last, partial tile is zeroed there in place, as `decode_hopper` does for 16-bit
 caches.
+
+With 17-32 query rows (N = 32, or N = 16 and two tokens per request) a piece runs as two
+programs of 16 rows. They read the same tiles and are neighbours in the grid's order, so
+the second read can come from L2; this takes 21-29% less time than the 64-row kernel,
+which widens every tile (N = 32 at B = 128 x 8k, 64 x 8k, 32 x 32k and 1 x 64k; N = 16
+with 2 tokens, N = 8 with 4; same-process A/B on an H200, session 26).
 """
 
 from __future__ import annotations
@@ -71,8 +78,9 @@ from pagedmla.ops.triton.decode_hopper import (
 )
 from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
 
-__all__ = ["BLOCK_H", "BLOCK_N", "decode_partial", "supported"]
+__all__ = ["BLOCK_H", "BLOCK_N", "MAX_ROWS", "decode_partial", "supported"]
 
+MAX_ROWS = 2 * BLOCK_H  # query rows per request: two head groups (the module docstring)
 # Ring buffers of 36 KB: with q's terms, P and the second consumer's state, 204 KB, one
 # program per SM.
 STAGES = 4
@@ -103,9 +111,9 @@ prmt.b32 $1, $2, $3, 0x7531;
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
     """Whether this kernel takes the call (on a Hopper GPU): an fp8 cache of DeepSeek
-    widths (L = 512, R = 64), 16-bit q, at most BLOCK_H query rows per request, and
+    widths (L = 512, R = 64), 16-bit q, at most MAX_ROWS query rows per request, and
     pages the copy engine can read (`decode_hopper.pages_copyable`)."""
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
+    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= MAX_ROWS
             and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == FP8_DTYPE
             and pages_copyable(data))
 

@@ -3,7 +3,8 @@
 Same contract as `decode._decode_partial_kernel` (one program per head group and piece
 of a request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
-data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8).
+data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8; with
+pages the copy engine reads, `decode_hopper_fp8` takes up to 32 rows first).
 
 With 64 query rows the products are the direct ones, S = Q K^T [64, 64] over all L + R
 columns and O += P V [64, L], and they do not fit one warpgroup: O alone is 128 KB of
