@@ -430,17 +430,17 @@ def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, Tens
     block_n = copy_rows(page)
     rows = [num_blocks * page, width]
     strides = [data.stride(1), 1]
-    latent_layout, rope_layout = _tile_layouts(data.dtype, block_n, L, width - L)
-    return (TensorDescriptor(data, rows, strides, [block_n, L // 2], latent_layout),
-            TensorDescriptor(data, rows, strides, [block_n, width - L], rope_layout))
+    return (TensorDescriptor(data, rows, strides, [block_n, L // 2],
+                             box_layout(block_n, L // 2, data.dtype)),
+            TensorDescriptor(data, rows, strides, [block_n, width - L],
+                             box_layout(block_n, width - L, data.dtype)))
 
 
 @functools.cache  # building a layout costs more host time than the descriptor itself
-def _tile_layouts(dtype: torch.dtype, block_n: int, L: int, R: int,
-                  ) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
-    gl_dtype = _GL_DTYPES[dtype]
-    return (gl.NVMMASharedLayout.get_default_for([block_n, L // 2], gl_dtype),
-            gl.NVMMASharedLayout.get_default_for([block_n, R], gl_dtype))
+def box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a bulk copy's [rows, width] box of `dtype` (the
+    decode and prefill kernels' descriptors)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
 
 
 def decode_partial(

@@ -32,8 +32,6 @@ same kernel without the ping-pong (both consumers in one partition) 0.78-0.93x c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.ops.triton._utils import cdiv, l2_cache_bytes, next_pow2
+from pagedmla.ops.triton.decode_hopper import box_layout
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 STAGES = 2  # key tiles in flight
@@ -374,12 +373,7 @@ def _row_descriptor(t: torch.Tensor, block_rows: int, width: int) -> TensorDescr
     tokens, heads, dim = t.shape
     shape = [tokens, (heads - 1) * t.stride(1) + dim]
     return TensorDescriptor(t, shape, [t.stride(0), 1], [block_rows, width],
-                            _box_layout(block_rows, width, t.dtype))
-
-
-@functools.cache  # building a layout costs more host time than the descriptor itself
-def _box_layout(block_rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([block_rows, width], _GL_DTYPES[dtype])
+                            box_layout(block_rows, width, t.dtype))
 
 
 def head_group(num_heads: int, max_seqlen_k: int, width: int, q: torch.Tensor) -> int:
