@@ -55,7 +55,7 @@ STAGES = 2  # key tiles in flight
 # 192 / 128, none at 128 / 128 (sm_90a builds with Triton 3.6).
 CONSUMER_REGS = gl.constexpr(240)
 SMEM_BUDGET = 220 * 1024  # of the 227 KB a block may use, leaving room for barriers
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_DTYPES = (torch.bfloat16, torch.float16)  # the 16-bit inputs the kernel takes
 
 
 def _qk_parts(qk_dim: int) -> tuple[int, int]:
@@ -96,7 +96,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     is the max of the scaled scores only for a positive scale)."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     return (softmax_scale > 0
-            and q.dtype in _GL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
             and qk_dim in (64, 128, 192, 256) and v_dim in (64, 128, 256)
             and block_n(qk_dim, v_dim) > 0 and all(_copyable(t) for t in (q, k, v)))
 
