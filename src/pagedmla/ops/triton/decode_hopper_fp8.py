@@ -279,6 +279,11 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, h
     # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
     r_mma = group * ROWS + gl.arange(0, ROWS, gl.SliceLayout(0, mma))
     limit = limit_0 + r_mma // num_heads
+    # ready's parity below names tile i only once the buffer's previous tile, i -
+    # NUM_STAGES, has landed. With CONSUMERS dividing NUM_STAGES that tile was this
+    # consumer's own; otherwise a copy can land after a later one and the wait passes
+    # on the old phase (three consumers on four buffers faulted so, session 28).
+    gl.static_assert(NUM_STAGES % CONSUMERS == 0)
     for i in range(first, num_tiles, CONSUMERS):
         slot = i % NUM_STAGES
         start = lo + i * TILE_N
