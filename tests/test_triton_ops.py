@@ -1302,7 +1302,7 @@ def test_stream_read_sums_every_element(dtype: torch.dtype, n: int) -> None:
 def test_bench_covered_keeps_host_work_off_the_clock() -> None:
     # A call whose host side takes 2 ms ahead of a ~30 µs kernel: timed as `bench`
     # times it, the GPU's wait for the host counts; `bench_covered` gives the kernel's
-    # time, and `host_us` the host's.
+    # time (also after a read-only wipe), and `host_us` the host's.
     from pagedmla.kernel_bench import bench, bench_covered, host_us
 
     x = torch.randn(1 << 24, device=DEVICE)
@@ -1313,6 +1313,8 @@ def test_bench_covered_keeps_host_work_off_the_clock() -> None:
 
     kernel_us = bench_covered(lambda: x.mul_(1.0), rep_ms=20)
     assert kernel_us < 500
+    # After a wipe that reads instead of writing, no write-back shares the call's HBM.
+    assert bench_covered(lambda: x.mul_(1.0), rep_ms=20, clean_l2=True) < kernel_us + 50
     assert bench_covered(call, rep_ms=20, max_calls=20) < kernel_us + 100
     assert bench(call, rep_ms=40) > 1500
     assert 1900 < host_us(call, calls=10) < 20000

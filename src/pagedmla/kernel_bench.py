@@ -74,9 +74,16 @@ def bench(fn: Callable[[], object], rep_ms: int = 100) -> float:
 _SPIN_CYCLES_PER_US = 2000
 
 
-def bench_covered(fn: Callable[[], object], rep_ms: int = 100, max_calls: int = 200) -> float:
+def bench_covered(fn: Callable[[], object], rep_ms: int = 100, max_calls: int = 200,
+                  clean_l2: bool = False) -> float:
     """Median GPU time of fn in microseconds, the L2 wiped before every call as `bench`
     does, with the host's work for the calls kept off the clock.
+
+    The wipe writes 256 MB, as `bench`'s does, so L2 holds only dirty lines, whose
+    write-back then shares HBM with the timed call (~9-10 µs of a decode of 600 MB on an
+    H200, docs/PERFORMANCE_HISTORY.md, session 24). clean_l2: the wipe reads the 256 MB
+    instead, so the call starts with a cold L2 that holds no dirty lines: closer to what
+    a decode layer meets in a model, after projections that write little.
 
     `bench` starts each call's clock when the wipe before it ends; a call whose Python
     and launch work outlast the wipe (~60 µs) is timed from then, idle GPU included (the
@@ -85,11 +92,12 @@ def bench_covered(fn: Callable[[], object], rep_ms: int = 100, max_calls: int = 
     host's work for all the timed calls is queued first, so every call is already queued
     when the GPU reaches it (fn must not wait for the device, or the head start is
     lost). For eager calls whose host work is part of what is measured, use `bench`."""
-    wipe = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    wipe = torch.zeros(256 << 20, dtype=torch.int8, device=DEV)
+    flush = stream_read(wipe) if clean_l2 else wipe.zero_
 
     def timed() -> tuple[torch.cuda.Event, torch.cuda.Event]:
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        wipe.zero_()
+        flush()
         start.record()
         fn()
         end.record()
@@ -502,6 +510,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             replay = graphed(lambda args=args, plans=plans: mla_decode(*args, plans=plans))
             with SmClock() as clock:
                 us = bench(replay)
+            clean_us = bench_covered(replay, clean_l2=True)
             with_plan_us = bench(graphed(lambda args=args: mla_decode(*args)))
             eager_us = bench(lambda args=args: mla_decode(*args))
             # Where the Gluon kernel runs, time the Triton kernel of the same config too.
@@ -513,7 +522,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                                          mla_decode(*args, config=plain, plans=plans)))
             nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size(),
                                         sum(lengths) if lengths else None)
-            results[cache] = (us, nbytes, flops)
+            results[cache] = (us, nbytes, flops, clean_us)
             # A plain read of as many bytes, timed the same way: what a short grid's fixed
             # costs (launch, ramp-up, the L2 write-back the flush leaves) do to any read.
             src = torch.empty(nbytes // 2, device=DEV, dtype=torch.bfloat16).normal_()
@@ -529,6 +538,7 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "N": heads, "context": context, "q_len": q_len, "page": page, "us": us,
                 "with_plan_us": with_plan_us, "eager_us": eager_us, "bytes": nbytes,
                 "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
+                "clean_l2_us": clean_us,
                 "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
                 "baseline_us": ref_us,
                 "stage1": "gluon" if plain_us else "triton",
@@ -536,8 +546,10 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "sm_mhz": clock.mhz,
             }
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
+            row["pct_ceiling_clean_l2"] = 100 * nbytes / clean_us / 1e6 / ceil["hbm_read_tbps"]
             if cache == FP8:
                 row["fp8_speedup_vs_bf16"] = results[torch.bfloat16][0] / us
+                row["fp8_speedup_vs_bf16_clean_l2"] = results[torch.bfloat16][3] / clean_us
             if lengths:
                 row["lengths"] = f"1 x {lengths[0]} + {batch - 1} x {lengths[1]}"
             rows.append(row)
@@ -795,6 +807,10 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "",
         "read µs: torch.sum over as many bytes as the decode moves, timed the same way",
         "",
+        "clean-L2 µs (% ceiling): the decode's replay after a wipe that reads 256 MB "
+        "instead of writing it, so that no dirty lines are left to write back during "
+        "the call (`bench_covered(clean_l2=True)`)",
+        "",
         "prefill µs (and its baseline's): GPU time, with the host's work for the call "
         "kept off the clock (`bench_covered`); eager µs: the call timed as the decode's "
         "eager column is, where host work beyond the L2 wipe counts",
@@ -802,9 +818,9 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         "SM MHz: the median SM clock while the µs column was measured (nvidia-smi); the "
         "card lowers it at its power cap",
         "",
-        "| kernel | shape | µs | eager µs | TB/s | % ceiling | read µs | TFLOP/s | baseline "
-        "| baseline µs | speedup | SM MHz |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| kernel | shape | µs | eager µs | TB/s | % ceiling | read µs | clean-L2 µs "
+        "| TFLOP/s | baseline | baseline µs | speedup | SM MHz |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if r["kernel"] == "mla_decode":
@@ -822,6 +838,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
                      f"Triton kernel: {r['triton_kernel_us']:.1f} µs; host "
                      f"{r['host_us']:.0f} µs per call]")
         read = f"{r['same_size_read_us']:.1f}" if "same_size_read_us" in r else ""
+        clean = (f"{r['clean_l2_us']:.1f} ({r['pct_ceiling_clean_l2']:.0f}%)"
+                 if "clean_l2_us" in r else "")
         tbps = f"{r['tbps']:.2f}" if "tbps" in r else ""
         pct = f"{r['pct_ceiling']:.0f}" if "pct_ceiling" in r else ""
         tflops = f"{r['tflops']:.0f}" if "tflops" in r else ""
@@ -831,7 +849,7 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
         eager = f"{r['eager_us']:.1f}" if "eager_us" in r else ""
         mhz = f"{r['sm_mhz']:.0f}" if r.get("sm_mhz") else ""
         lines.append(f"| {r['kernel']} | {shape} | {r['us']:.1f} | {eager} | {tbps} | {pct} "
-                     f"| {read} | {tflops} "
+                     f"| {read} | {clean} | {tflops} "
                      f"| {base} | {base_us} | {speed} | {mhz} |")
     return "\n".join(lines)
 
