@@ -122,16 +122,19 @@ def mla_decode(
         max_query_len, device=q.device
     )  # [B, Q]: the position of each query token
     allowed = (position.view(1, 1, -1) <= query_pos.unsqueeze(-1)) & valid.unsqueeze(1)
+    # One key set for all heads: the heads join the query rows, [B, Q x N, ...], so that
+    # the products do not broadcast kv over N (matmul would materialise [B, N, S, L+R]).
+    q_rows = q_pad.view(num_reqs, max_query_len * num_heads, width)
     out, lse = _attend(
-        q_pad.transpose(1, 2),  # [B, N, Q, L+R]
-        kv.unsqueeze(1),
-        kv[..., :kv_lora_rank].unsqueeze(1),
-        allowed.unsqueeze(1),
+        q_rows,
+        kv,
+        kv[..., :kv_lora_rank],
+        allowed.repeat_interleave(num_heads, dim=1),
         softmax_scale,
-    )  # out [B, N, Q, L], lse [B, N, Q]
-    out = out.transpose(1, 2)[token_req, token_idx].to(q.dtype)
-    lse = lse.transpose(1, 2)[token_req, token_idx].transpose(0, 1).contiguous()
-    return out, lse
+    )  # out [B, Q x N, L], lse [B, Q x N]
+    out = out.view(num_reqs, max_query_len, num_heads, -1)[token_req, token_idx].to(q.dtype)
+    lse = lse.view(num_reqs, max_query_len, num_heads)[token_req, token_idx]
+    return out, lse.transpose(0, 1).contiguous()
 
 
 def varlen_attention(
