@@ -253,6 +253,26 @@ def test_decode_rejects_a_softmax_scale_that_is_not_finite_and_positive(scale: f
         mla_decode(*args[:-1], scale)
 
 
+def test_decode_refuses_more_pieces_than_a_grid_axis_holds(monkeypatch) -> None:
+    # Stage 1's pieces are its grid's second axis (65535 programs at most on a GPU): a
+    # batch whose plan needs more gets a ValueError naming the batch, not a failed
+    # launch. The limit is lowered here so that four requests exceed it.
+    args = _decode_case([1] * 4, [5] * 4, 4, 64, 16, 16, torch.float32, torch.float32,
+                        seed=35)
+    monkeypatch.setattr(decode_module, "GRID_YZ_MAX", 3)
+    with pytest.raises(ValueError, match="seq_lens: a batch of 4 requests"):
+        mla_decode(*args)
+
+
+def test_varlen_refuses_more_sequences_than_a_grid_axis_holds(monkeypatch) -> None:
+    # The prefill kernels put the sequences on a grid axis (65535 at most on a GPU).
+    from pagedmla.ops.triton import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "GRID_YZ_MAX", 2)
+    with pytest.raises(ValueError, match="cu_seqlens_q: 3 sequences"):
+        _check_varlen([1, 2, 3], [1, 2, 3], 2, 16, 16, torch.float32, True, seed=36)
+
+
 def test_combine_blocks_fit_the_real_piece_count() -> None:
     # B = 1 at N = 128 on 132 SMs: the plan allows 66 pieces (two head groups) and cuts a
     # 64k request into 64, so one load should hold 64 pieces, not 128 (half masked).
@@ -773,6 +793,21 @@ def test_decode_gpu_multi_token(max_q: int, num_heads: int) -> None:
     seq_lens = [max_q, 700, 2049, 5000]
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, 64, torch.bfloat16,
                         torch.bfloat16, seed=300 + max_q)
+    _check_decode(args, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@cuda
+def test_decode_gpu_more_rows_than_a_grid_axis_holds() -> None:
+    # 128 heads x 512 tokens per request are 65536 query rows, one more than a launch
+    # grid's second axis holds: the combine puts rows on its first axis (it failed to
+    # launch while rows were its second). Two requests, so the plan may cut one and the
+    # combine runs.
+    from pagedmla.ops.triton._utils import GRID_YZ_MAX
+
+    args = _decode_case([512, 512], [4608, 1000], 128, 512, 64, 64, torch.bfloat16,
+                        torch.bfloat16, seed=240)
+    assert GRID_YZ_MAX < 128 * 512
     _check_decode(args, torch.bfloat16)
 
 

@@ -13,6 +13,10 @@ import torch
 # so the mode is read once here, at the same moment.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# Programs a launch grid holds on its second and third axes (CUDA; the first holds
+# 2**31 - 1): kernels put their large counts on the first axis or check against this.
+GRID_YZ_MAX = 65535
+
 # Multiprocessors assumed for CPU tensors under the interpreter: small, so that the
 # split planner still produces several splits on tiny test shapes.
 _INTERPRETER_SMS = 4

@@ -43,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton._utils import (
+    GRID_YZ_MAX,
     INTERPRETED,
     cdiv,
     check_device,
@@ -482,13 +483,17 @@ def _decode_combine_kernel(
     stride_st, stride_sh, stride_ss,
     stride_ot, stride_oh,
     stride_lh, stride_lt,
-    num_heads, num_splits,
+    num_heads, num_splits, num_rows,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One (column block, head x token, cut request): merge its pieces by lse.
+    """One (column block, row, entry): merge the row's pieces by lse. Rows are head x
+    token (t * num_heads + head), num_rows per entry. The grid is one axis, column
+    blocks fastest, then rows, then entries (the order of a [blocks, rows, entries]
+    grid, whose second axis would hold at most 65535 rows: 128 heads x 512 tokens are
+    65536).
 
-    The request is row program_id(2) of the split plan's `cut` [.., WORK] (request -1:
+    The entry is row `entry` of the split plan's `cut` [.., WORK] (request -1:
     nothing to do): its pieces are the partials first .. first + count - 1 (stride_ps /
     stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt / stride_st). Pieces are
     taken BLOCK_S at a time in one online pass, each chunk's lse and partials loaded
@@ -499,21 +504,24 @@ def _decode_combine_kernel(
     dependent of stage 1 (`launch_pdl`), so it may start before stage 1 ends; it waits
     for stage 1 (griddepcontrol.wait) before reading the partials.
     """
-    col_block = tl.program_id(0)
-    head = tl.program_id(1) % num_heads
-    t = tl.program_id(1) // num_heads
+    COL_BLOCKS: tl.constexpr = (L + BLOCK_C - 1) // BLOCK_C
+    col_block = tl.program_id(0) % COL_BLOCKS
+    row = tl.program_id(0) // COL_BLOCKS % num_rows
+    entry = tl.program_id(0) // COL_BLOCKS // num_rows
+    head = row % num_heads
+    t = row // num_heads
     if ALL_SPLITS:
-        q_begin = tl.program_id(2)
+        q_begin = entry
         q_len = 1
         first = 0
         used = num_splits
         part_token = q_begin
     else:
-        row = cut_ptr + WORK_FIELDS * tl.program_id(2)
-        first = tl.load(row + 1)
-        used = tl.load(row + 3)  # 0 past the cut requests
-        q_begin = tl.load(row + 5)
-        q_len = tl.load(row + 6)
+        request = cut_ptr + WORK_FIELDS * entry
+        first = tl.load(request + 1)
+        used = tl.load(request + 3)  # 0 past the cut requests
+        q_begin = tl.load(request + 5)
+        q_len = tl.load(request + 6)
         part_token = t
     used = tl.where(t < q_len, used, 0)  # tokens past this request's q_len: nothing
 
@@ -689,6 +697,10 @@ def mla_decode(
                            block_n, min_chunk, block_h, num_splits)
         if plans is not None:
             plans[key] = plan
+    if plan.programs > GRID_YZ_MAX:  # stage 1's pieces are its grid's second axis
+        raise ValueError(f"seq_lens: a batch of {num_reqs} requests takes {plan.programs} "
+                         f"stage-1 programs, more than the {GRID_YZ_MAX} a launch allows; "
+                         "split the batch")
     # fp8 widens to float16 (one instruction per two values; e4m3 is exact in float16)
     # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
     compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
@@ -737,12 +749,12 @@ def mla_decode(
     block_c, block_s = combine_blocks(
         rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
         L, num_sms)
-    _decode_combine_kernel[(cdiv(L, block_c), rows_per_req, max_cut)](
+    _decode_combine_kernel[(cdiv(L, block_c) * rows_per_req * max_cut,)](
         part_out, part_lse, plan.cut, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_heads, plan.max_pieces,
+        num_heads, plan.max_pieces, rows_per_req,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, PDL=pdl,
         num_warps=COMBINE_WARPS, launch_pdl=pdl,
     )
@@ -765,12 +777,12 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
         return merged.zero_()
     merged_lse = torch.empty(N, T, dtype=torch.float32, device=out.device)  # not returned
     block_c, block_s = combine_blocks(N, T, D, D, L, multiprocessor_count(out.device))
-    _decode_combine_kernel[(cdiv(L, block_c), N, T)](
+    _decode_combine_kernel[(cdiv(L, block_c) * N * T,)](
         out, lse, lse, merged, merged_lse,  # (cut, the third: not read)
         out.stride(1), out.stride(2), out.stride(0),
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
-        N, D,
+        N, D, N,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, PDL=False,
         num_warps=COMBINE_WARPS,
     )
