@@ -15,9 +15,9 @@ key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
 prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
 an effective rate of the path on an H200, fitted to a measurement there
 (benchmarks/bench_routing.py, docs/PERFORMANCE.md): the model predicts a crossover of
-260-272 tokens for N = 16 and 128 at 4k and 32k contexts and agrees with all 32
-measured path choices (q = 8..1024); measured, MQA is faster at q = 256 and MHA at
-q = 512 in all four (with the Hopper decode kernels; 128 / 256 before them).
+260-272 tokens for N = 16 and 128 at 4k and 32k contexts. Measured (session 29, q =
+8..1024), MQA is faster at q = 256 and MHA at q = 512 in all four; the model agrees
+with 35 of the 36 path choices, sending N = 16, 32k, q = 384 to MHA, 3% slower there.
 """
 
 from __future__ import annotations
