@@ -800,9 +800,9 @@ def test_decode_gpu_multi_token(max_q: int, num_heads: int) -> None:
 @cuda
 def test_decode_gpu_more_rows_than_a_grid_axis_holds() -> None:
     # 128 heads x 512 tokens per request are 65536 query rows, one more than a launch
-    # grid's second axis holds: the combine puts rows on its first axis (it failed to
-    # launch while rows were its second). Two requests, so the plan may cut one and the
-    # combine runs.
+    # grid's second axis holds: the combine runs on one axis (it failed to launch while
+    # rows were its second). Two requests, so that the plan may cut one and the combine
+    # runs.
     from pagedmla.ops.triton._utils import GRID_YZ_MAX
 
     args = _decode_case([512, 512], [4608, 1000], 128, 512, 64, 64, torch.bfloat16,
