@@ -68,7 +68,7 @@ from pagedmla.ops.triton import (
     varlen_attention,
     write_cache,
 )
-from pagedmla.ops.triton._utils import INTERPRETED, cdiv, multiprocessor_count
+from pagedmla.ops.triton._utils import GRID_YZ_MAX, INTERPRETED, cdiv, multiprocessor_count
 from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
     FEW_REQUESTS,
@@ -803,8 +803,6 @@ def test_decode_gpu_more_rows_than_a_grid_axis_holds() -> None:
     # grid's second axis holds: the combine runs on one axis (it failed to launch while
     # rows were its second). Two requests, so that the plan may cut one and the combine
     # runs.
-    from pagedmla.ops.triton._utils import GRID_YZ_MAX
-
     args = _decode_case([512, 512], [4608, 1000], 128, 512, 64, 64, torch.bfloat16,
                         torch.bfloat16, seed=240)
     assert GRID_YZ_MAX < 128 * 512

@@ -506,8 +506,9 @@ def _decode_combine_kernel(
     """
     COL_BLOCKS: tl.constexpr = (L + BLOCK_C - 1) // BLOCK_C
     col_block = tl.program_id(0) % COL_BLOCKS
-    row = tl.program_id(0) // COL_BLOCKS % num_rows
-    entry = tl.program_id(0) // COL_BLOCKS // num_rows
+    rows_entry = tl.program_id(0) // COL_BLOCKS
+    row = rows_entry % num_rows
+    entry = rows_entry // num_rows
     head = row % num_heads
     t = row // num_heads
     if ALL_SPLITS:

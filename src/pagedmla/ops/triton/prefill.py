@@ -239,11 +239,11 @@ def varlen_attention(
     num_tokens, num_heads, qk_dim = q.shape
     v_dim = v.shape[-1]
     num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     if num_seqs > GRID_YZ_MAX:  # both kernels put the sequences on a grid axis
         raise ValueError(f"cu_seqlens_q: {num_seqs} sequences, more than the "
                          f"{GRID_YZ_MAX} a launch allows; split the batch")
+    out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or num_seqs <= 0 or max_seqlen_q <= 0:
         out.zero_()
         lse.fill_(float("-inf"))
