@@ -177,7 +177,8 @@ def _e4m3_products(args, config: DecodeConfig | None) -> bool:
     return kernel is not None and kernel.__name__.endswith(".decode_hopper_fp8")
 
 
-def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
+def _check_decode(args, dtype: torch.dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_decode(*args, **kwargs) against the reference op; returns both outputs."""
     _poison_allocator(str(args[0].device))
     out, lse = mla_decode(*args, **kwargs)
     lse_atol = (E4M3_PRODUCTS_LSE_ATOL if _e4m3_products(args, kwargs.get("config"))
@@ -192,6 +193,7 @@ def _check_decode(args, dtype: torch.dtype, **kwargs) -> None:
     else:
         torch.testing.assert_close(out.float(), want_out.float(), atol=ATOL[dtype], rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=lse_atol, rtol=1e-5)
+    return out, want_out
 
 
 # --- decode ------------------------------------------------------------------------------
@@ -251,6 +253,13 @@ def test_decode_rejects_a_softmax_scale_that_is_not_finite_and_positive(scale: f
     args = _decode_case([1], [5], 4, 64, 16, 16, torch.float32, torch.float32, seed=34)
     with pytest.raises(ValueError, match="softmax_scale"):
         mla_decode(*args[:-1], scale)
+
+
+def test_decode_rejects_a_cache_without_positions() -> None:
+    args = list(_decode_case([1], [5], 4, 64, 16, 16, torch.float32, torch.float32, seed=37))
+    args[1] = args[1][:0]
+    with pytest.raises(ValueError, match=r"data: a cache of shape \(0, 16, 80\)"):
+        mla_decode(*args)
 
 
 def test_decode_refuses_more_pieces_than_a_grid_axis_holds(monkeypatch) -> None:
@@ -610,7 +619,9 @@ def test_gather_cache_widths(width: int) -> None:
 
 
 def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE,
-                  fn=varlen_attention) -> None:
+                  fn=varlen_attention) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn on random q, k, v of these lengths against the reference op; returns both
+    outputs."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(q_lens), N, qk, generator=gen).to(device, dtype)
     # k and v as strided views of one buffer, as the up-projection produces them.
@@ -629,6 +640,7 @@ def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE,
         torch.testing.assert_close(out.float(), want.float(), atol=ATOL[dtype], rtol=0)
     finite = want_lse.isfinite()
     torch.testing.assert_close(lse[finite], want_lse[finite], atol=LSE_ATOL[dtype], rtol=1e-5)
+    return out, want
 
 
 @runnable
@@ -683,6 +695,19 @@ def test_prefill_selection_falls_back_when_cudnn_refuses(monkeypatch: pytest.Mon
         _check_varlen([64, 64], [64, 64], 4, 192, 128, torch.bfloat16, True, seed=seed,
                       device="cuda", fn=prefill_attention)
     assert len(calls) == 1 and len(prefill_select._REFUSED) == 1
+
+
+@runnable
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_without_any_key(causal: bool) -> None:
+    # k and v empty (no sequence has a key): out 0 and lse -inf. On a Hopper GPU (these
+    # widths and float16 take the Gluon kernel) the copy descriptors refused the empty k
+    # with a bare assertion until the op learned to run no kernel then; found by
+    # tests/test_triton_random.py.
+    for fn in (varlen_attention, prefill_attention):
+        out, _ = _check_varlen([3, 0, 5], [0, 0, 0], 2, 192, 128, torch.float16, causal,
+                               seed=131, fn=fn)
+        assert torch.equal(out, torch.zeros_like(out))
 
 
 @runnable

@@ -664,6 +664,8 @@ def mla_decode(
     R = width - L
     if data.shape[-1] != width:
         raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")
+    if data.shape[0] * data.shape[1] == 0:  # (nor could the copy engine describe it)
+        raise ValueError(f"data: a cache of shape {tuple(data.shape)} holds no position")
     num_reqs = seq_lens.shape[0]
     out = torch.empty(num_tokens, num_heads, L, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)

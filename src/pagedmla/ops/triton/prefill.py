@@ -244,7 +244,9 @@ def varlen_attention(
                          f"{GRID_YZ_MAX} a launch allows; split the batch")
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
-    if num_tokens == 0 or num_seqs <= 0 or max_seqlen_q <= 0:
+    # No key at all (k and v empty): every query sees none. The copy engine cannot
+    # describe an empty tensor, so no kernel runs.
+    if num_tokens == 0 or num_seqs <= 0 or max_seqlen_q <= 0 or k.shape[0] == 0:
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
