@@ -64,7 +64,8 @@ def _context_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the prefill queries over their cached context, chunk by chunk.
 
-    Returns out [Tp, N, V] and lse [N, Tp]; prefills without context get (0, -inf).
+    Returns out [Tp, N, V] (q's dtype for a single chunk, else float32) and lse
+    [N, Tp]; prefills without context get (0, -inf).
     """
     context = meta.context
     assert context is not None
@@ -102,9 +103,12 @@ def _empty_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A running partial over all prefill tokens; rows of context-free prefills are empty.
 
-    Every other row is written by the first chunk that covers its request.
+    Every other row is written by the first chunk that covers its request. It is held
+    in float32: merged in the chunks' 16-bit dtype, a context of C chunks lost about
+    sqrt(C) roundings (5% of a row at 1000 chunks); in float32 the error no longer
+    grows with the chunk count.
     """
-    out = like.new_empty(num_tokens, *like.shape[1:])
+    out = torch.empty(num_tokens, *like.shape[1:], dtype=torch.float32, device=like.device)
     lse = torch.empty(like.shape[1], num_tokens, dtype=torch.float32, device=like.device)
     for rows in context.empty_token_slices:
         out[rows] = 0
