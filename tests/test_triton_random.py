@@ -1,13 +1,17 @@
-"""The triton backend's ops on seeded random calls on the GPU, against the reference ops.
+"""The triton backend on seeded random calls on the GPU: its ops against the reference
+ops, and MLAAttention(backend="triton") against the float64 dense oracle.
 
 tests/test_triton_ops.py varies one or two of a call's choices at a time; here every
 case draws all of them at once: heads 1-128, page sizes 1-128 (powers of two and
 not), query lengths 0-16 per request (0: a CUDA graph's padding request), contexts
 from 1 to ~70k positions, bf16/fp16 queries with a cache of their dtype or fp8, NoPE
 and narrower latents, caches and queries as strided views, and host bounds above the
-batch's true lengths (as a CUDA graph passes them). The bugs that reached the GPU
-after that file's matrix passed came from such combinations (a launch grid's axis
-overflowing at 128 heads x 512 tokens, found by a benchmark).
+batch's true lengths (as a CUDA graph passes them); the layer cases add mixed batches
+of decodes and prefills, three head shapes and workspaces that cut the context into
+many chunks. The bugs that reached the GPU after that file's matrix passed came from
+such combinations: a launch grid's axis overflowing at 128 heads x 512 tokens (found by
+a benchmark); here, a prefill without any key failing on Hopper, and the chunked
+context losing precision with the chunk count.
 
 Each case draws from its own seed, the case number in the test's id, so a failure
 reproduces alone (`-k "random and [17]"`). Outputs are checked row by row as well as
@@ -24,7 +28,9 @@ import random
 import pytest
 import torch
 
+from pagedmla import MLADims
 from pagedmla.ops import reference as ref
+from pagedmla.testing import make_paged_batch, relative_error
 from tests.test_triton_ops import (
     FP8,
     _bits,
@@ -33,6 +39,7 @@ from tests.test_triton_ops import (
     _cu,
     _decode_case,
     _paged_cache,
+    _run_layer,
     cuda,
 )
 
@@ -247,3 +254,55 @@ def test_merge_gpu_random(case: int) -> None:
     atol, rtol = MERGE_TOL[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(out_lse, want_lse, atol=1e-5, rtol=1e-6)
+
+
+# The layer's shapes: DeepSeek-V3's (L 512, R 64, P 128, V 128), GLM-5-style wider heads
+# (qk 256 = P 192 + R 64, V 256) and NoPE (R = 0).
+LAYER_DIMS = ((512, 128, 64, 128), (512, 128, 64, 128), (512, 192, 64, 256), (512, 128, 0, 128))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("case", range(CASES // 2))
+def test_layer_gpu_random(case: int) -> None:
+    # MLAAttention(backend="triton") on a random mixed batch (decodes of up to
+    # decode_threshold tokens first, then prefills with and without context, the
+    # context cut into chunks by a small workspace now and then) against the float64
+    # dense oracle, which shares no code with it.
+    rng = random.Random(9700 + case)
+    L, P, R, V = rng.choice(LAYER_DIMS)
+    dims = MLADims(num_heads=rng.choice(HEADS), kv_lora_rank=L, qk_nope_head_dim=P,
+                   qk_rope_head_dim=R, v_head_dim=V)
+    page = rng.choice(PAGES)
+    threshold = rng.choice((1, 1, 2, 4, 16))
+    cache_dtype = rng.choice(("auto", "fp8"))
+    # The oracle holds a request's keys and values ([seq_len, N, P + V]) and scores
+    # ([N, q_len, seq_len]) in float64: ~1.6 GB at most.
+    longest = min(20000, 2 * 10**8 // (dims.num_heads * (P + V)))
+    budget = 10**8 // dims.num_heads  # q_len x seq_len
+    q_lens, seq_lens = [], []
+    for _ in range(rng.randint(0, 6)):  # decodes
+        q = rng.randint(1, threshold)
+        q_lens.append(q)
+        seq_lens.append(q + rng.choice((0, rng.randint(1, 100), rng.randint(100, longest))))
+    for _ in range(rng.randint(0 if q_lens else 1, 4)):  # prefills
+        q = rng.randint(threshold + 1, threshold + rng.choice((8, 300, 1500)))
+        q = min(q, max(threshold + 1, math.isqrt(budget)))
+        context = rng.choice((0, rng.randint(1, 200), rng.randint(200, 6000)))
+        context = min(context, max(0, budget // q - q), longest - q)
+        q_lens.append(q)
+        seq_lens.append(q + context)
+    workspace = rng.choice((None, None, page * rng.randint(1, 8), 4096))
+    workspace = None if workspace is None else max(workspace, page)
+    print(f"{dims} page={page} threshold={threshold} cache={cache_dtype} "
+          f"workspace={workspace} q_lens={q_lens} seq_lens={seq_lens}")
+    batch = make_paged_batch(dims, q_lens, seq_lens, page, dtype=torch.bfloat16,
+                             kv_cache_dtype=cache_dtype, fp8_scale=0.37, seed=9700 + case,
+                             device="cuda")
+    out = _run_layer(batch, "triton", decode_threshold=threshold, workspace_rows=workspace)
+    want = batch.oracle(decode_threshold=threshold)
+    assert relative_error(out, want) < 2e-2
+    worst = _row_errors(out.view(-1, dims.num_heads, V).cpu(),
+                        want.view(-1, dims.num_heads, V).cpu()).max().item()
+    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+    assert batch.cache_mismatches() == 0
