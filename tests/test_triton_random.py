@@ -13,6 +13,9 @@ such combinations: a launch grid's axis overflowing at 128 heads x 512 tokens (f
 a benchmark); here, a prefill without any key failing on Hopper, and the chunked
 context losing precision with the chunk count.
 
+The `small` cases draw the same way at interpreter sizes and run everywhere, CI's CPU
+included.
+
 Each case draws from its own seed, the case number in the test's id, so a failure
 reproduces alone (`-k "random and [17]"`). Outputs are checked row by row as well as
 as a whole: a single wrong (token, head) row among thousands would pass a relative
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +36,9 @@ from pagedmla import MLADims
 from pagedmla.ops import reference as ref
 from pagedmla.testing import make_paged_batch, relative_error
 from tests.test_triton_ops import (
+    DEVICE,
     FP8,
+    TINY_DECODE,
     _bits,
     _check_decode,
     _check_varlen,
@@ -41,6 +47,7 @@ from tests.test_triton_ops import (
     _paged_cache,
     _run_layer,
     cuda,
+    runnable,
 )
 
 pytest.importorskip("triton")
@@ -306,3 +313,62 @@ def test_layer_gpu_random(case: int) -> None:
                         want.view(-1, dims.num_heads, V).cpu()).max().item()
     assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
     assert batch.cache_mismatches() == 0
+
+
+# --- small random calls, also on the CPU (CI: Triton's interpreter) ----------------------
+
+
+@runnable
+@pytest.mark.parametrize("case", range(24))
+def test_decode_random_small(case: int) -> None:
+    # The same draws at interpreter sizes, on float32/float16 (the interpreter's bf16
+    # products are wrong, see tests/test_triton_ops.py), through the small-tile configs
+    # (both product formulations, bulk copies and the row gather) and the default one.
+    rng = random.Random(6000 + case)
+    num_heads, page = rng.randint(1, 8), rng.choice((1, 2, 3, 8, 16, 24))
+    L, R = rng.choice(((32, 16), (48, 0), (64, 8), (32, 32)))
+    dtype = rng.choice((torch.float32, torch.float16))
+    cache_dtype = rng.choice((dtype, FP8))
+    config = rng.choice((TINY_DECODE, replace(TINY_DECODE, swap_ab=True),
+                         replace(TINY_DECODE, paged=False), None))
+    q_lens = [rng.randint(0, 4) for _ in range(rng.randint(1, 4))]
+    seq_lens = [q + rng.choice((0, rng.randint(1, 40), rng.randint(40, 200))) if q else 0
+                for q in q_lens]
+    if not any(q_lens):
+        q_lens[0], seq_lens[0] = 1, 1
+    args = list(_decode_case(q_lens, seq_lens, num_heads, L, R, page, dtype, cache_dtype,
+                             seed=6000 + case))
+    args[1], layout = _strided_view(rng, args[1])
+    args[7] += rng.choice((0, 5))
+    extra = -(-args[7] // page) - args[3].shape[1]
+    if extra > 0:  # the block table covers the bound
+        args[3] = torch.cat([args[3], torch.full_like(args[3][:, :1], 10**6).expand(-1, extra)], 1)
+    print(f"N={num_heads} page={page} L,R={L},{R} {dtype} cache={cache_dtype} {layout} "
+          f"{config} q_lens={q_lens} seq_lens={seq_lens}")
+    out, want = _check_decode(tuple(args), dtype, config=config,
+                              num_splits=rng.choice((None, 1, 3)))
+    worst = _row_errors(out, want).max().item()
+    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+
+
+@runnable
+@pytest.mark.parametrize("case", range(24))
+def test_prefill_random_small(case: int) -> None:
+    rng = random.Random(6500 + case)
+    qk, dv = rng.choice(((48, 24), (24, 8), (16, 16), (192, 128), (64, 64)))
+    causal = rng.random() < 0.6
+    q_lens = [rng.choice((0, 1, rng.randint(2, 70))) for _ in range(rng.randint(1, 4))]
+    if causal:
+        k_lens = [max(0, q + rng.choice((0, rng.randint(1, 60), -rng.randint(1, 5))))
+                  for q in q_lens]
+    else:
+        k_lens = [rng.choice((0, rng.randint(1, 90))) for _ in q_lens]
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    print(f"qk,dv={qk},{dv} causal={causal} q_lens={q_lens} k_lens={k_lens}")
+    out, want = _check_varlen(q_lens, k_lens, rng.randint(1, 4), qk, dv,
+                              rng.choice((torch.float32, torch.float16)), causal,
+                              seed=6500 + case, device=DEVICE,
+                              fn=rng.choice((varlen_attention, prefill_attention)))
+    worst = _row_errors(out, want).max().item()
+    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
