@@ -115,6 +115,17 @@ def _strided_view(rng: random.Random, data: torch.Tensor) -> tuple[torch.Tensor,
     return data, layout
 
 
+def _raise_seq_bound(args: list, by: int, page: int) -> None:
+    """Raise a decode call's max_seq_len (args[7]) by `by`, as a CUDA graph passes a
+    bound above the batch's lengths, and widen its block table (args[3]) with entries
+    far outside the cache to cover it, as a graph's covers the model's length."""
+    args[7] += by
+    table = args[3]
+    extra = -(-args[7] // page) - table.shape[1]
+    if extra > 0:
+        args[3] = torch.cat([table, torch.full_like(table[:, :1], 10**6).expand(-1, extra)], 1)
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("case", range(CASES))
@@ -144,11 +155,7 @@ def test_decode_gpu_random(case: int) -> None:
         args[0] = wide[..., :q.shape[2]]
     # Host bounds above the true lengths, as a CUDA graph's.
     args[6] = max(args[6], max_q if rng.random() < 0.5 else 0)
-    args[7] += rng.choice((0, 0, 1, 777))
-    table = args[3]  # covers the bound, as a graph's block table covers the model's length
-    extra = -(-args[7] // page) - table.shape[1]
-    if extra > 0:
-        args[3] = torch.cat([table, torch.full_like(table[:, :1], 10**6).expand(-1, extra)], 1)
+    _raise_seq_bound(args, rng.choice((0, 0, 1, 777)), page)
     desc = (f"N={num_heads} page={page} L,R={L},{R} {dtype} cache={cache_dtype} "
             f"{layout} q_lens={q_lens} seq_lens={seq_lens} bounds={args[6]},{args[7]}")
 
@@ -339,10 +346,7 @@ def test_decode_random_small(case: int) -> None:
     args = list(_decode_case(q_lens, seq_lens, num_heads, L, R, page, dtype, cache_dtype,
                              seed=6000 + case))
     args[1], layout = _strided_view(rng, args[1])
-    args[7] += rng.choice((0, 5))
-    extra = -(-args[7] // page) - args[3].shape[1]
-    if extra > 0:  # the block table covers the bound
-        args[3] = torch.cat([args[3], torch.full_like(args[3][:, :1], 10**6).expand(-1, extra)], 1)
+    _raise_seq_bound(args, rng.choice((0, 5)), page)
     print(f"N={num_heads} page={page} L,R={L},{R} {dtype} cache={cache_dtype} {layout} "
           f"{config} q_lens={q_lens} seq_lens={seq_lens}")
     out, want = _check_decode(tuple(args), dtype, config=config,
