@@ -13,8 +13,8 @@ such combinations: a launch grid's axis overflowing at 128 heads x 512 tokens (f
 a benchmark); here, a prefill without any key failing on Hopper, and the chunked
 context losing precision with the chunk count.
 
-The `small` cases draw the same way at interpreter sizes and run everywhere, CI's CPU
-included.
+The `small` cases draw the same way at interpreter sizes (the layer's with the cost
+model routing extends, too) and run everywhere, CI's CPU included.
 
 Each case draws from its own seed, the case number in the test's id, so a failure
 reproduces alone (`-k "random and [17]"`). Outputs are checked row by row as well as
@@ -32,8 +32,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedmla import MLADims
+from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
 from pagedmla.ops import reference as ref
+from pagedmla.routing import PathCostModel
 from pagedmla.testing import make_paged_batch, relative_error
 from tests.test_triton_ops import (
     DEVICE,
@@ -376,3 +377,43 @@ def test_prefill_random_small(case: int) -> None:
                               fn=rng.choice((varlen_attention, prefill_attention)))
     worst = _row_errors(out, want).max().item()
     assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+
+
+@runnable
+@pytest.mark.parametrize("case", range(16))
+def test_layer_random_small(case: int) -> None:
+    # MLAAttention(backend="triton") in float32 against the float64 oracle on random
+    # small layers and batches: multi-token decodes, prefills with contexts cut into
+    # chunks, pages of 1-16, fp8 caches, and now and then the cost model routing
+    # extends to the MQA path (requests it routes there are put first, as the builder
+    # asks; only with a 16/32-bit cache, where both paths read the same keys).
+    rng = random.Random(5000 + case)
+    dims = MLADims(num_heads=rng.randint(1, 6), kv_lora_rank=rng.choice((32, 48, 64)),
+                   qk_nope_head_dim=rng.choice((16, 32)),
+                   qk_rope_head_dim=rng.choice((0, 8, 16)), v_head_dim=rng.choice((8, 24)))
+    page, threshold = rng.choice((1, 2, 3, 16)), rng.choice((1, 2, 4))
+    cache_dtype = rng.choice(("auto", "fp8"))
+    router = PathCostModel() if cache_dtype == "auto" and rng.random() < 0.5 else None
+    requests = [(q, q + rng.choice((0, rng.randint(1, 40), rng.randint(40, 300))))
+                for q in (rng.randint(1, threshold) for _ in range(rng.randint(0, 3)))]
+    requests += [(q, q + rng.choice((0, rng.randint(1, 300))))
+                 for q in (rng.randint(threshold + 1, threshold + 40)
+                           for _ in range(rng.randint(0 if requests else 1, 3)))]
+    builder = MLAMetadataBuilder(dims, block_size=page, device=DEVICE,
+                                 workspace_rows=rng.choice((None, page, 4 * page, 64 * page)),
+                                 decode_threshold=threshold, router=router)
+    requests.sort(key=lambda r: not builder.uses_mqa(r[0], r[1] - r[0]))
+    q_lens, seq_lens = [q for q, _ in requests], [s for _, s in requests]
+    print(f"{dims} page={page} threshold={threshold} cache={cache_dtype} router={router} "
+          f"workspace={builder.workspace_rows} q_lens={q_lens} seq_lens={seq_lens}")
+    batch = make_paged_batch(dims, q_lens, seq_lens, page, kv_cache_dtype=cache_dtype,
+                             fp8_scale=0.37, seed=5000 + case, device=DEVICE)
+    attn = MLAAttention(dims, softmax_scale=batch.softmax_scale, kv_b_proj=batch.kv_b_proj,
+                        backend="triton")
+    out = attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, builder.build(batch.spec))
+    want = batch.oracle(decode_threshold=threshold)
+    assert relative_error(out, want) < 2e-4
+    worst = _row_errors(out.view(-1, dims.num_heads, dims.v_head_dim).cpu(),
+                        want.view(-1, dims.num_heads, dims.v_head_dim).cpu()).max().item()
+    assert worst < 1e-3, f"worst row's relative error {worst:.3g}"
+    assert batch.cache_mismatches() == 0
