@@ -84,6 +84,13 @@ def _row_errors(out: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 0, err / norm.clamp_min(1e-300), err)
 
 
+def _assert_rows_close(out: torch.Tensor, want: torch.Tensor, rtol: float = ROW_RTOL,
+                       desc: str = "") -> None:
+    """Every (token, head) row of out [T, N, D] within rtol of want's (`_row_errors`)."""
+    worst = _row_errors(out.cpu(), want.cpu()).max().item()
+    assert worst < rtol, f"{desc}: worst row's relative error {worst:.3g}"
+
+
 def _context_len(rng: random.Random, page: int, q_len: int, longest: int) -> int:
     """A request's context length: short, a whole number of pages, a few thousand, or
     long, at least q_len (its query tokens are its last positions)."""
@@ -162,8 +169,7 @@ def test_decode_gpu_random(case: int) -> None:
 
     print(desc)  # pytest shows it when the case fails
     out, want = _check_decode(tuple(args), torch.bfloat16)
-    worst = _row_errors(out, want).max().item()
-    assert worst < ROW_RTOL, f"{desc}: worst row's relative error {worst:.3g}"
+    _assert_rows_close(out, want, desc=desc)
 
 
 @pytest.mark.cuda
@@ -192,8 +198,7 @@ def test_prefill_gpu_random(case: int) -> None:
           f"q_lens={q_lens} k_lens={k_lens}")
     out, want = _check_varlen(q_lens, k_lens, num_heads, qk, dv, dtype, causal,
                               seed=8000 + case, device="cuda", fn=fn)
-    worst = _row_errors(out, want).max().item()
-    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+    _assert_rows_close(out, want)
 
 
 @pytest.mark.cuda
@@ -317,9 +322,7 @@ def test_layer_gpu_random(case: int) -> None:
     out = _run_layer(batch, "triton", decode_threshold=threshold, workspace_rows=workspace)
     want = batch.oracle(decode_threshold=threshold)
     assert relative_error(out, want) < 2e-2
-    worst = _row_errors(out.view(-1, dims.num_heads, V).cpu(),
-                        want.view(-1, dims.num_heads, V).cpu()).max().item()
-    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+    _assert_rows_close(out.view(-1, dims.num_heads, V), want.view(-1, dims.num_heads, V))
     assert batch.cache_mismatches() == 0
 
 
@@ -352,8 +355,7 @@ def test_decode_random_small(case: int) -> None:
           f"{config} q_lens={q_lens} seq_lens={seq_lens}")
     out, want = _check_decode(tuple(args), dtype, config=config,
                               num_splits=rng.choice((None, 1, 3)))
-    worst = _row_errors(out, want).max().item()
-    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+    _assert_rows_close(out, want)
 
 
 @runnable
@@ -375,8 +377,7 @@ def test_prefill_random_small(case: int) -> None:
                               rng.choice((torch.float32, torch.float16)), causal,
                               seed=6500 + case, device=DEVICE,
                               fn=rng.choice((varlen_attention, prefill_attention)))
-    worst = _row_errors(out, want).max().item()
-    assert worst < ROW_RTOL, f"worst row's relative error {worst:.3g}"
+    _assert_rows_close(out, want)
 
 
 @runnable
@@ -413,7 +414,6 @@ def test_layer_random_small(case: int) -> None:
     out = attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, builder.build(batch.spec))
     want = batch.oracle(decode_threshold=threshold)
     assert relative_error(out, want) < 2e-4
-    worst = _row_errors(out.view(-1, dims.num_heads, dims.v_head_dim).cpu(),
-                        want.view(-1, dims.num_heads, dims.v_head_dim).cpu()).max().item()
-    assert worst < 1e-3, f"worst row's relative error {worst:.3g}"
+    rows = (-1, dims.num_heads, dims.v_head_dim)
+    _assert_rows_close(out.view(rows), want.view(rows), rtol=1e-3)
     assert batch.cache_mismatches() == 0
