@@ -1355,6 +1355,24 @@ def test_stream_read_sums_every_element(dtype: torch.dtype, n: int) -> None:
     assert math.isclose(parts.double().sum().item(), x.double().sum().item(), abs_tol=1e-3)
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_baseline_attends_as_the_reference(block_size: int) -> None:
+    # The benchmark's decode baseline (kernel_bench.torch_decode, gather + bf16 bmm) must
+    # compute what mla_decode computes, or the speed-ups against it would mean nothing.
+    from pagedmla.kernel_bench import torch_decode
+
+    seq_lens = [4 * block_size] * 3
+    args = _decode_case([1, 1, 1], seq_lens, 16, 512, 64, block_size, torch.bfloat16,
+                        torch.bfloat16, seed=41, device="cpu")
+    out, lse = torch_decode(*args)
+    want, want_lse = ref.mla_decode(*args)
+    assert out.shape == want.shape and lse.shape == want_lse.shape
+    assert relative_error(out, want.double()) < 1e-2
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        torch_decode(*args[:7], 4 * block_size - 1, *args[8:])
+
+
 @pytest.mark.cuda
 @cuda
 def test_bench_covered_keeps_host_work_off_the_clock() -> None:

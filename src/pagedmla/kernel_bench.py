@@ -7,19 +7,19 @@
     python3 benchmarks/bench_kernels.py --sweep-configs [decode|prefill] # time config variants
     python3 benchmarks/bench_kernels.py --plots-from bench_kernels.json --plots results/
 
-Every run first checks each kernel against the PyTorch reference on fresh random
-inputs (NaN-poisoned outputs and unused cache slots, a CUDA graph captured with short
-contexts and replayed with long ones) and stops on the first failure. Then it measures,
-in the same process: the card's HBM read bandwidth (the faster of a large torch.sum
-and a plain streaming-read Triton kernel, `stream_read`) and copy bandwidth,
-the bf16 matmul rate (8192^3, random data), and our kernels against baselines (the
-plain PyTorch reference decode; torch.compile'd merge; PyTorch SDPA for dense causal
-prefill). Times are medians of triton.testing.do_bench, which wipes a 256 MB buffer
-(several times the 60 MB L2) before every call; decode rows time CUDA-graph replays,
-prefill rows (ours and SDPA's) `bench_covered`, which keeps the host's launch work off
-the clock, with the eager timing and the host's time per call beside them. Byte and
-FLOP counts are the fewest each kernel must move / compute; they are written next to
-each result.
+Every run first checks each kernel against the PyTorch reference on fresh random inputs
+(NaN-poisoned outputs and unused cache slots, a CUDA graph captured with short contexts
+and replayed with long ones) and stops on the first failure. Then it measures, in the
+same process: the card's HBM read bandwidth (the faster of a large torch.sum and a plain
+streaming-read Triton kernel, `stream_read`) and copy bandwidth, the bf16 matmul rate
+(8192^3, random data), and our kernels against baselines (a plain PyTorch gather + bmm
+decode, `torch_decode`, and on three shapes the float32 reference op; torch.compile'd
+merge; PyTorch SDPA for dense causal prefill). Times are medians of
+triton.testing.do_bench, which wipes a 256 MB buffer (several times the 60 MB L2) before
+every call; decode rows time CUDA-graph replays, prefill rows (ours and SDPA's)
+`bench_covered`, which keeps the host's launch work off the clock, with the eager timing
+and the host's time per call beside them. Byte and FLOP counts are the fewest each
+kernel must move / compute; they are written next to each result.
 """
 
 from __future__ import annotations
@@ -281,6 +281,38 @@ def decode_cost(batch: int, heads: int, context: int, q_len: int, elt: int,
     return nbytes, flops
 
 
+def torch_decode(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                 kv_lora_rank: int, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode baseline: plain PyTorch as a user would write it (gather + bmm).
+
+    mla_decode's arguments, for a batch whose B requests each have one query token and
+    exactly max_seq_len positions, a whole number of pages, on a 16-bit cache (the
+    caller's promise: checking seq_lens would read it back). Each request's pages are
+    gathered into one [B, S, L + R] tensor; then S = q K^T in q's dtype (cuBLAS,
+    float32 accumulation), a float32 softmax, and O = P V. Returns out [B, N, L] and
+    lse [N, B].
+    """
+    num_reqs, num_heads = seq_lens.shape[0], q.shape[1]
+    page = data.shape[1]
+    if q.shape[0] != num_reqs or max_query_len != 1:
+        raise ValueError(f"q: one token per request expected, got {q.shape[0]} tokens "
+                         f"for {num_reqs} requests (max_query_len {max_query_len})")
+    if max_seq_len % page:
+        raise ValueError(f"max_seq_len: a whole number of {page}-position pages "
+                         f"expected, got {max_seq_len}")
+    if data.element_size() != 2:
+        raise TypeError(f"data: a 16-bit cache expected, got {data.dtype}")
+    kv = data[block_table[:, :max_seq_len // page]].view(num_reqs, max_seq_len, -1)
+    scores = torch.bmm(q.view(num_reqs, num_heads, -1), kv.transpose(1, 2))
+    scores = scores.float().mul_(softmax_scale)  # [B, N, S]
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores.sub_(lse.unsqueeze(-1))).to(q.dtype)
+    out = torch.bmm(probs, kv[..., :kv_lora_rank])
+    return out, lse.transpose(0, 1).contiguous()
+
+
 # --- correctness sweep --------------------------------------------------------------------------
 
 
@@ -356,6 +388,14 @@ def check_all() -> list[str]:
         _expect(f"decode B=1 N={heads} ctx={context} out", _rel(out, want), 1e-2, log)
         _expect(f"decode B=1 N={heads} ctx={context} lse",
                 (lse - want_lse).abs().max().item(), 2e-3, log)
+    # The decode baseline attends as the reference does, or its time would mean nothing.
+    for batch, heads, context, page in ((4, 16, 2048, 64), (2, 128, 4096, 16)):
+        args = decode_inputs(batch, heads, context, block_size=page, seed=8)
+        out, lse = torch_decode(*args)
+        want, want_lse = ref.mla_decode(*args)
+        name = f"baseline torch_decode B={batch} N={heads} ctx={context} page={page}"
+        _expect(f"{name} out", _rel(out, want), 1e-2, log)
+        _expect(f"{name} lse", (lse - want_lse).abs().max().item(), 2e-3, log)
     log.extend(check_graph_replay())
 
     # Merge: empties (+-inf), NaN behind them, strided lse views, in place.
@@ -497,7 +537,8 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
     # split plan follows the lengths.
     shapes += [(64, 16, 131072, 1, "memory", 64, [131072] + [2048] * 63),
                (32, 128, 65536, 1, "compute", 64, [65536] + [4096] * 31)]
-    reference_for = {(64, 16, 2048, 1), (1, 128, 65536, 1), (64, 128, 4096, 1)}
+    # The oracle (`reference.mla_decode`, float32, eager) is timed too on three shapes.
+    reference_for = {(64, 16, 2048), (1, 128, 65536), (64, 128, 4096)}
     rows = []
     for batch, heads, context, q_len, regime, page, lengths in shapes:
         for cache in (torch.bfloat16, FP8):
@@ -519,6 +560,11 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 plain = replace(cfg, hopper=False)
                 plain_us = bench(graphed(lambda args=args, plain=plain, plans=plans:
                                          mla_decode(*args, config=plain, plans=plans)))
+            # The Triton kernel at a fixed 4 pieces per request, as widely used Triton MLA
+            # decode kernels split: what the split plan is worth.
+            four: dict = {}
+            fixed4_us = bench(graphed(lambda args=args, cfg=cfg, four=four: mla_decode(
+                *args, config=replace(cfg, hopper=False), num_splits=4, plans=four)))
             nbytes, flops = decode_cost(batch, heads, context, q_len, args[1].element_size(),
                                         sum(lengths) if lengths else None)
             # A plain read of as many bytes, timed the same way: what a short grid's fixed
@@ -526,10 +572,11 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
             src = torch.empty(nbytes // 2, device=DEV, dtype=torch.bfloat16).normal_()
             same_read_us = min(read_times(src))
             del src
-            ref_us = None
-            if (cache == torch.bfloat16 and page == 64 and lengths is None
-                    and (batch, heads, context, q_len) in reference_for):
-                ref_us = bench(lambda args=args: ref.mla_decode(*args), rep_ms=200)
+            base_us = ref_us = None
+            if cache == torch.bfloat16 and q_len == 1 and lengths is None:
+                base_us = bench(graphed(lambda args=args: torch_decode(*args)))
+                if page == 64 and (batch, heads, context) in reference_for:
+                    ref_us = bench(lambda args=args: ref.mla_decode(*args), rep_ms=200)
             name = "bf16" if cache == torch.bfloat16 else "fp8"
             row = {
                 "kernel": "mla_decode", "cache": name, "regime": regime, "B": batch,
@@ -537,10 +584,11 @@ def bench_decode(quick: bool, ceil: dict[str, float]) -> list[dict]:
                 "with_plan_us": with_plan_us, "eager_us": eager_us, "bytes": nbytes,
                 "flops": flops, "tbps": nbytes / us / 1e6, "tflops": flops / us / 1e6,
                 "clean_l2_us": clean_us,
-                "baseline": "reference (PyTorch gather + matmul)" if ref_us else None,
-                "baseline_us": ref_us,
+                "baseline": "PyTorch gather + bmm (torch_decode)" if base_us else None,
+                "baseline_us": base_us, "reference_us": ref_us,
                 "stage1": "gluon" if plain_us else "triton",
-                "triton_stage1_us": plain_us, "same_size_read_us": same_read_us,
+                "triton_stage1_us": plain_us, "triton_4_splits_us": fixed4_us,
+                "same_size_read_us": same_read_us,
                 "sm_mhz": clock.mhz,
             }
             row["pct_ceiling"] = 100 * row["tbps"] / ceil["hbm_read_tbps"]
@@ -829,6 +877,8 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
                 shape += f" (x{r['fp8_speedup_vs_bf16']:.2f} vs bf16)"
             if r.get("triton_stage1_us"):
                 shape += f" [Gluon; Triton kernel: {r['triton_stage1_us']:.1f} µs]"
+            if r.get("triton_4_splits_us"):
+                shape += f" [Triton kernel, 4 pieces: {r['triton_4_splits_us']:.1f} µs]"
         elif r["kernel"] == "merge_attn_states":
             shape = f"T={r['T']} N={r['N']} D={r['D']} bf16"
         else:
