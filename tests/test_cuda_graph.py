@@ -73,29 +73,49 @@ def _count_piece_steps(llm: LLM) -> list[int]:
     return count
 
 
+def _count_decode_row_steps(llm: LLM) -> list[int]:
+    """A counter of the steps whose decode rows replay `DecodeRowGraphs`."""
+    count = [0]
+    pieces = llm.runner.pieces
+    if pieces is not None and pieces.decode_rows is not None:
+        stage = pieces.decode_rows.stage
+
+        def counted(meta):
+            staged = stage(meta)
+            count[0] += staged is not None
+            return staged
+
+        pieces.decode_rows.stage = counted
+    return count
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_graphs_match_eager() -> None:
     """Greedy tokens identical and logprobs within 1e-3 (float32 model, Triton kernels);
     batches of 1..12 decodes replay padded graphs of 1, 2, 4, 8 and 16 rows. Graphs with
     async scheduling too: rows leave from the front (max_tokens 13 + i), so the ahead
-    steps gather their token ids from the device, and one sequence stops on a token."""
+    steps gather their token ids from the device, and one sequence stops on a token.
+    A budget of 48 tokens a step cuts the longer prompts into chunks that share steps
+    with decodes, whose rows then replay `DecodeRowGraphs`."""
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=13 + i, logprobs=1, ignore_eos=True)
               for i in range(12)]
     runs = []
     for eager, ahead in ((True, False), (False, False), (False, True)):
         llm = LLM("tiny", dtype=torch.float32, device="cuda", block_size=16,
-                  max_num_seqs=16, enforce_eager=eager, num_kv_blocks=512,
-                  async_scheduling=ahead)
+                  max_num_seqs=16, max_num_batched_tokens=48, enforce_eager=eager,
+                  num_kv_blocks=512, async_scheduling=ahead)
         if not runs:  # stop sequence 5 on its 7th token, in every run
             first = llm.generate(prompts, params, use_tqdm=False)[5].outputs[0].token_ids
             params[5] = SamplingParams(temperature=0.0, max_tokens=18, logprobs=1,
                                        ignore_eos=True, stop_token_ids=[first[6]])
         pieces = _count_piece_steps(llm)
+        decode_rows = _count_decode_row_steps(llm)
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.runner.graphs is None) == eager
         assert (pieces[0] > 0) != eager  # the prompts' steps replayed piecewise graphs
+        assert (decode_rows[0] > 0) != eager  # and decode rows among them theirs
     assert runs[0][5].outputs[0].finish_reason == "stop"
     for eager_out, *graph_outs in zip(*runs, strict=True):
         a = eager_out.outputs[0]

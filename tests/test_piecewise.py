@@ -12,11 +12,19 @@ import pytest
 import torch
 
 from pagedmla import LLM, SamplingParams
+from pagedmla.engine.decode_rows import DecodeRowGraphs, decode_row_sizes
 from pagedmla.engine.piecewise import MAX_TOKENS, PiecewiseGraphs, token_buckets
+from pagedmla.metadata import BatchSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=7, logprobs=1, ignore_eos=True)
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=64,
                max_num_batched_tokens=40)
+
+
+def test_decode_row_sizes() -> None:
+    assert decode_row_sizes(1) == [1]
+    assert decode_row_sizes(5) == [1, 2, 4, 8]
+    assert decode_row_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_token_buckets() -> None:
@@ -35,11 +43,18 @@ def _prompts() -> list[list[int]]:
     return [*fresh, prefix + fresh[1], prefix + fresh[3]]
 
 
-@pytest.mark.parametrize("buckets", [token_buckets(40), [16]])
-def test_pieces_match_whole_steps(buckets: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("buckets", "decode_sizes"),
+    [(token_buckets(40), None), ([16], None), (token_buckets(40), [1, 2, 4, 16]),
+     (token_buckets(40), [1, 2])],
+)
+def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | None) -> None:
     """Greedy tokens identical and logprobs within 1e-4 (float32: padded GEMMs may sum in
     another order). The 40-token budget makes mixed and chunked steps of 1-40 tokens;
-    with buckets [16] the larger ones fall back to whole eager steps."""
+    with buckets [16] the larger ones fall back to whole eager steps. With decode_sizes
+    the decode rows of mixed steps attend through `DecodeRowGraphs`' static buffers,
+    padded up to a size (called, not replayed, on the CPU), and steps with more decode
+    rows than the largest size keep the eager path."""
     prompts = _prompts()
     reference = LLM("tiny", **OPTIONS)
     expected = [reference.generate(prompts, GREEDY, use_tqdm=False) for _ in range(2)]
@@ -47,6 +62,29 @@ def test_pieces_match_whole_steps(buckets: list[int]) -> None:
     llm = LLM("tiny", **OPTIONS)
     pieces = PiecewiseGraphs(llm.model, llm.caches, buckets)
     llm.runner.pieces = pieces
+    # (decode requests, leading single-token ones, rows taken) of each step
+    staged: list[tuple[int, int, int]] = []
+    if decode_sizes is not None:
+        pieces.decode_rows = DecodeRowGraphs(
+            llm.model.decoder.layers, llm.caches,
+            (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), decode_sizes,
+            max_blocks_per_seq=-(-llm.max_model_len // OPTIONS["block_size"]),
+            max_model_len=llm.max_model_len)
+        stage = pieces.decode_rows.stage
+
+        def counted_stage(meta):
+            taken = stage(meta)
+            lens = meta.decode.query_lens if meta.decode is not None else []
+            lead = next((b for b, n in enumerate(lens) if n != 1), len(lens))
+            staged.append((meta.num_decodes, lead, 0 if taken is None else taken[0]))
+            if taken is not None:
+                first, rest = taken
+                assert rest.num_tokens == meta.num_tokens - first
+                assert rest.num_decodes == meta.num_decodes - first
+                assert rest.prefill is meta.prefill
+            return taken
+
+        pieces.decode_rows.stage = counted_stage
     sizes: list[int] = []
     run = pieces.run
 
@@ -59,6 +97,17 @@ def test_pieces_match_whole_steps(buckets: list[int]) -> None:
     assert sizes and all(n <= buckets[-1] for n in sizes)
     assert any(n not in buckets for n in sizes)  # padded steps ran
     assert llm.stats.steps > len(sizes) or buckets[-1] >= OPTIONS["max_num_batched_tokens"]
+    if decode_sizes is not None:
+        # Every step's leading single-token decodes were taken where the sizes hold them.
+        assert all(k == (lead if lead <= decode_sizes[-1] else 0) for _, lead, k in staged)
+        taken = [k for _, _, k in staged if k]
+        assert taken
+        # Some steps also had decode requests of several tokens (extends the router sent
+        # to MQA), which stayed eager beside the graphed rows.
+        assert any(0 < k < n for n, _, k in staged)
+        # Padded rows ran (e.g. 8 decodes in 16 rows) / steps of more stayed eager.
+        assert any(k not in decode_sizes for k in taken) == (decode_sizes[-1] == 16)
+        assert any(lead > decode_sizes[-1] for _, lead, _ in staged) == (decode_sizes[-1] == 2)
     for ref_set, out_set in zip(expected, outputs, strict=True):
         for ref, out in zip(ref_set, out_set, strict=True):
             want, got = ref.outputs[0], out.outputs[0]
@@ -73,3 +122,44 @@ def test_more_tokens_than_the_largest_bucket_is_an_error() -> None:
     with pytest.raises(ValueError, match="largest bucket"):
         pieces.run(torch.zeros(17, dtype=torch.int64), torch.zeros(17, dtype=torch.int64),
                    None, [0])
+
+
+def _spec(query_lens: list[int], seq_lens: list[int], block_size: int) -> BatchSpec:
+    """Request b owns blocks 1 + 8b .. (disjoint), its new tokens at its last positions."""
+    table = torch.tensor([[1 + 8 * b + j for j in range(8)] for b in range(len(seq_lens))],
+                         dtype=torch.int32)
+    slots = [int(table[b, p // block_size]) * block_size + p % block_size
+             for b, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)]
+    return BatchSpec(query_lens, seq_lens, table, torch.tensor(slots, dtype=torch.int64))
+
+
+def test_decode_rows_stage_pads_and_leaves_the_rest_eager() -> None:
+    # Five single-token decodes and a 3-token extend the router sends to MQA, then a
+    # prompt: K = 5 rows staged in a size of 8, the padded rows' slots -1 and lengths 0
+    # (also after a step that filled them), and the rest's metadata over rows 5.. .
+    llm = LLM("tiny", **OPTIONS)
+    pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
+    block = OPTIONS["block_size"]
+    graphs = DecodeRowGraphs(llm.model.decoder.layers, llm.caches,
+                             (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [1, 8],
+                             max_blocks_per_seq=8, max_model_len=64)
+    full = llm.builder.build(_spec([1] * 7, [9, 20, 3, 30, 17, 5, 40], block))
+    assert graphs.stage(full.for_forward())[0] == 7
+    spec = _spec([1, 1, 1, 1, 1, 3, 12], [9, 20, 3, 30, 17, 25, 12], block)
+    meta = llm.builder.build(spec).for_forward()
+    assert meta.num_decodes == 6  # the extend takes the MQA path
+    first, rest = graphs.stage(meta)
+    assert first == 5 and graphs.rows == 8
+    inputs = graphs.inputs
+    assert inputs.slot_mapping[:5].tolist() == spec.slot_mapping[:5].tolist()
+    assert inputs.slot_mapping[5:8].tolist() == [-1] * 3
+    assert inputs.seq_lens[:8].tolist() == [9, 20, 3, 30, 17, 0, 0, 0]
+    assert inputs.block_table[:5].tolist() == spec.block_table[:5].tolist()
+    assert (rest.num_tokens, rest.num_decodes, rest.num_decode_tokens) == (15, 1, 3)
+    assert rest.slot_mapping.tolist() == spec.slot_mapping[5:].tolist()
+    assert rest.decode.query_start_loc.tolist() == [0, 3]
+    assert rest.decode.seq_lens.tolist() == [25] and rest.decode.query_lens == [3]
+    assert rest.prefill is meta.prefill
+    # No leading single-token decode, or more than the largest size: nothing staged.
+    assert graphs.stage(llm.builder.build(_spec([3, 12], [25, 12], block))) is None
+    assert graphs.stage(llm.builder.build(_spec([1] * 9, [5] * 9, block))) is None

@@ -71,7 +71,7 @@ class DecodeMetadata:
     decode kernels keep what they plan from seq_lens (their split-KV plan) for the
     layers of one forward, so that it is made once per forward, not once per layer;
     None: every call plans for itself. `MLAMetadata.for_forward` gives each forward an
-    empty one.
+    empty one. query_lens: the requests' token counts on the host, where known.
     """
 
     block_table: torch.Tensor
@@ -81,6 +81,7 @@ class DecodeMetadata:
     max_seq_len: int
     dcp: DCPDecode | None = None
     plans: dict | None = None
+    query_lens: list[int] | None = None
 
 
 @dataclass
@@ -346,6 +347,7 @@ class MLAMetadataBuilder:
                 query_start_loc=view(decode_handles[1]),
                 max_query_len=max(query_lens[:num_decodes]),
                 max_seq_len=max(decode_seq_lens),
+                query_lens=query_lens[:num_decodes],
             )
         prefill = None
         if prefill_handles is not None:

@@ -144,6 +144,39 @@ class GraphInputs:
         return self.sample_index[: len(sample_rows)]
 
 
+def graph_metadata(
+    cache: LatentKVCache, inputs: GraphInputs, rows: int, max_model_len: int,
+    dcp: DCPDecode | None = None,
+) -> MLAMetadata:
+    """The metadata a captured decode reads: `rows` single-token decodes over the first
+    rows of `inputs` (slots, seq_lens, block table), with max_seq_len = max_model_len,
+    for caches shaped like `cache`. Its slots are checked by whoever fills `inputs`
+    (max_slot -1 and max_block 0 here), since a replay writes wherever they point."""
+    return MLAMetadata(
+        num_tokens=rows,
+        num_decodes=rows,
+        num_decode_tokens=rows,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        block_size=cache.block_size,
+        kv_lora_rank=cache.kv_lora_rank,
+        rope_dim=cache.rope_dim,
+        slot_mapping=inputs.slot_mapping[:rows],
+        max_slot=-1,
+        max_block=0,
+        device=cache.device,
+        decode=DecodeMetadata(
+            block_table=inputs.block_table[:rows],
+            seq_lens=inputs.seq_lens[:rows],
+            query_start_loc=inputs.query_start_loc[: rows + 1],
+            max_query_len=1,
+            max_seq_len=max_model_len,
+            dcp=dcp,
+        ),
+        prefill=None,
+    )
+
+
 class DecodeGraphs:
     """Captured decode steps of `model` over `caches` for each size in `sizes`.
 
@@ -185,38 +218,12 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
 
-    def _metadata(self, rows: int) -> MLAMetadata:
-        cache = self.caches[0]
-        inputs = self.inputs
-        return MLAMetadata(
-            num_tokens=rows,
-            num_decodes=rows,
-            num_decode_tokens=rows,
-            num_prefills=0,
-            num_prefill_tokens=0,
-            block_size=cache.block_size,
-            kv_lora_rank=cache.kv_lora_rank,
-            rope_dim=cache.rope_dim,
-            slot_mapping=inputs.slot_mapping[:rows],
-            max_slot=-1,  # the replayed slots are validated on the host in GraphInputs.stage
-            max_block=0,
-            device=cache.device,
-            decode=DecodeMetadata(
-                block_table=inputs.block_table[:rows],
-                seq_lens=inputs.seq_lens[:rows],
-                query_start_loc=inputs.query_start_loc[: rows + 1],
-                max_query_len=1,
-                max_seq_len=self.max_model_len,
-                dcp=self.dcp,
-            ),
-            prefill=None,
-        )
-
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         for rows in reversed(self.sizes):  # largest first: later graphs reuse its memory
-            meta = self._metadata(rows)
+            meta = graph_metadata(self.caches[0], self.inputs, rows, self.max_model_len,
+                                  self.dcp)
             args = (self.inputs.token_ids[:rows], self.inputs.positions[:rows], self.caches, meta)
             # Warm-up outside the graph compiles kernels and builds lazy tables (RoPE).
             self.model.compute_logits(self.model(*args))

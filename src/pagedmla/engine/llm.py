@@ -14,6 +14,7 @@ from pagedmla.device import resolve_device
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
+from pagedmla.engine.decode_rows import DecodeRowGraphs, decode_row_sizes
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
@@ -61,7 +62,9 @@ class LLM:
     With graph-safe kernels (Triton) on CUDA, decode-only steps replay CUDA graphs
     captured at start-up for a ladder of batch sizes, and other steps of up to 2048
     tokens replay graphs of everything but attention (`PiecewiseGraphs`), with
-    attention run eagerly between them; enforce_eager turns both off.
+    attention run eagerly between them, but for single-token decode rows' attention,
+    which replays graphs of its own (`DecodeRowGraphs`; not under decode context
+    parallelism); enforce_eager turns all of them off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     async_scheduling plans and enqueues each steady-state decode step while the device
@@ -161,9 +164,16 @@ class LLM:
                 max_blocks_per_seq=-(-self.max_model_len // block_size),
                 max_model_len=self.max_model_len, dcp=self.builder.decode_hook,
             )
-            self.runner.pieces = PiecewiseGraphs(
-                self.model, self.caches, token_buckets(max_num_batched_tokens)
-            )
+            pieces = PiecewiseGraphs(self.model, self.caches, token_buckets(max_num_batched_tokens))
+            if self.builder.decode_hook is None:
+                pieces.decode_rows = DecodeRowGraphs(
+                    self.model.decoder.layers, self.caches,
+                    (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out),
+                    decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
+                    max_blocks_per_seq=-(-self.max_model_len // block_size),
+                    max_model_len=self.max_model_len,
+                )
+            self.runner.pieces = pieces
             if self.parallel is not None:
                 # Not methods of self: the runtime's finalizer must not keep the LLM alive.
                 self.parallel.before_close(self.runner.graphs.release)

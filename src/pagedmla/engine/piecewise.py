@@ -9,7 +9,8 @@ with the norm, the MLP or experts) and projects layer i; piece n finishes the la
 layer and applies the final norm. Each piece is captured once per token bucket (T padded
 up to a power of two), and attention runs eagerly between the replays on the step's
 real rows. A step of 27 layers then launches 28 graphs and the attention kernels instead
-of ~470 kernels, one at a time from Python.
+of ~470 kernels, one at a time from Python. The decode rows' attention can replay
+graphs of its own (`decode_rows`, `engine/decode_rows.py`).
 
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
@@ -30,6 +31,7 @@ import bisect
 import torch
 
 from pagedmla.cache import LatentKVCache
+from pagedmla.engine.decode_rows import DecodeRowGraphs
 from pagedmla.metadata import MLAMetadata
 
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
@@ -91,6 +93,8 @@ class PiecewiseGraphs:
             self.cos = zeros(rows, cos.shape[-1], dtype=cos.dtype)
             self.sin = zeros(rows, sin.shape[-1], dtype=sin.dtype)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Set by the engine: graphs of the decode rows' attention (None: all eager).
+        self.decode_rows: DecodeRowGraphs | None = None
         if device.type == "cuda":
             self._capture()
 
@@ -154,6 +158,8 @@ class PiecewiseGraphs:
             for graph in graphs:
                 graph.reset()
         self.graphs.clear()
+        if self.decode_rows is not None:
+            self.decode_rows.release()
 
     @torch.inference_mode()
     def run(
@@ -181,9 +187,16 @@ class PiecewiseGraphs:
         layers = self.decoder.layers
         real = slice(0, num_tokens)
         meta = meta.for_forward()
+        staged = None if self.decode_rows is None else self.decode_rows.stage(meta)
+        if staged is not None:  # rows 0..K-1 replay graphs, the rest runs eagerly
+            first, meta = staged
+            real = slice(first, num_tokens)
         for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
-            layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache, meta,
-                                 out=self.attn_out[real])
+            if staged is not None:
+                self.decode_rows.replay(i)
+            if real.start < real.stop:
+                layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache,
+                                     meta, out=self.attn_out[real])
             self._replay(i + 1, rows)
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(self.hidden.index_select(0, index)).float()
