@@ -23,8 +23,10 @@ OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=64
 
 def test_decode_row_sizes() -> None:
     assert decode_row_sizes(1) == [1]
-    assert decode_row_sizes(5) == [1, 2, 4, 8]
+    assert decode_row_sizes(2) == [1, 2]
+    assert decode_row_sizes(5) == [1, 2, 4, 5]
     assert decode_row_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert decode_row_sizes(149) == [1, 2, 4, 8, 16, 32, 64, 128, 149]
 
 
 def test_token_buckets() -> None:

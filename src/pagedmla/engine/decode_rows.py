@@ -30,12 +30,12 @@ from pagedmla.metadata import MLAMetadata
 
 
 def decode_row_sizes(max_rows: int) -> list[int]:
-    """Decode row counts to capture: 1, 2, 4, .. up to the first power of two >=
-    max_rows. Padding costs little here: a padded row's programs find no work."""
+    """Decode row counts to capture: the powers of two below max_rows, then max_rows.
+    Padding costs little here: a padded row's programs find no work."""
     sizes = [1]
-    while sizes[-1] < max_rows:
+    while 2 * sizes[-1] < max_rows:
         sizes.append(2 * sizes[-1])
-    return sizes
+    return sizes if max_rows <= 1 else [*sizes, max_rows]
 
 
 class DecodeRowGraphs:
