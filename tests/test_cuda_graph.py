@@ -58,35 +58,31 @@ def test_graph_inputs_stage_pads_and_checks() -> None:
         inputs.stage(1, *one, _decode_spec([[1] * 6], [5], [2]), [0])
 
 
-def _count_piece_steps(llm: LLM) -> list[int]:
-    """A counter of the steps that run as piecewise graphs (stays [0] without them)."""
+def _count_calls(owner: object | None, name: str) -> list[int]:
+    """A counter of owner.name's calls that return something other than None (stays [0]
+    without the owner): wraps the method on that instance."""
     count = [0]
-    pieces = llm.runner.pieces
-    if pieces is not None:
-        run = pieces.run
+    if owner is not None:
+        method = getattr(owner, name)
 
         def counted(*args):
-            count[0] += 1
-            return run(*args)
+            result = method(*args)
+            count[0] += result is not None
+            return result
 
-        pieces.run = counted
+        setattr(owner, name, counted)
     return count
+
+
+def _count_piece_steps(llm: LLM) -> list[int]:
+    """A counter of the steps that run as piecewise graphs."""
+    return _count_calls(llm.runner.pieces, "run")
 
 
 def _count_decode_row_steps(llm: LLM) -> list[int]:
     """A counter of the steps whose decode rows replay `DecodeRowGraphs`."""
-    count = [0]
     pieces = llm.runner.pieces
-    if pieces is not None and pieces.decode_rows is not None:
-        stage = pieces.decode_rows.stage
-
-        def counted(meta):
-            staged = stage(meta)
-            count[0] += staged is not None
-            return staged
-
-        pieces.decode_rows.stage = counted
-    return count
+    return _count_calls(pieces and pieces.decode_rows, "stage")
 
 
 @pytest.mark.cuda
