@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedmla import LLM, SamplingParams
-from pagedmla.engine.decode_rows import DecodeRowGraphs, decode_row_sizes
+from pagedmla.engine.decode_rows import decode_row_sizes
 from pagedmla.engine.piecewise import MAX_TOKENS, PiecewiseGraphs, token_buckets
 from pagedmla.metadata import BatchSpec
 
@@ -67,11 +67,9 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
     # (decode requests, leading single-token ones, rows taken) of each step
     staged: list[tuple[int, int, int]] = []
     if decode_sizes is not None:
-        pieces.decode_rows = DecodeRowGraphs(
-            llm.model.decoder.layers, llm.caches,
-            (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), decode_sizes,
-            max_blocks_per_seq=-(-llm.max_model_len // OPTIONS["block_size"]),
-            max_model_len=llm.max_model_len)
+        pieces.capture_decode_rows(decode_sizes,
+                                   -(-llm.max_model_len // OPTIONS["block_size"]),
+                                   llm.max_model_len)
         stage = pieces.decode_rows.stage
 
         def counted_stage(meta):
@@ -142,9 +140,8 @@ def test_decode_rows_stage_pads_and_leaves_the_rest_eager() -> None:
     llm = LLM("tiny", **OPTIONS)
     pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
     block = OPTIONS["block_size"]
-    graphs = DecodeRowGraphs(llm.model.decoder.layers, llm.caches,
-                             (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [1, 8],
-                             max_blocks_per_seq=8, max_model_len=64)
+    pieces.capture_decode_rows([1, 8], max_blocks_per_seq=8, max_model_len=64)
+    graphs = pieces.decode_rows
     full = llm.builder.build(_spec([1] * 7, [9, 20, 3, 30, 17, 5, 40], block))
     assert graphs.stage(full.for_forward())[0] == 7
     spec = _spec([1, 1, 1, 1, 1, 3, 12], [9, 20, 3, 30, 17, 25, 12], block)

@@ -14,7 +14,7 @@ from pagedmla.device import resolve_device
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
-from pagedmla.engine.decode_rows import DecodeRowGraphs, decode_row_sizes
+from pagedmla.engine.decode_rows import decode_row_sizes
 from pagedmla.engine.model_runner import ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
@@ -159,20 +159,16 @@ class LLM:
         parts = (self.model, self.caches, self.block_manager, self.builder)
         self.runner = ModelRunner(*parts) if self.parallel is None else self.parallel.runner(*parts)
         if self._use_graphs(enforce_eager, backend):
+            max_blocks = -(-self.max_model_len // block_size)
             self.runner.graphs = DecodeGraphs(
                 self.model, self.caches, capture_sizes(max_num_seqs),
-                max_blocks_per_seq=-(-self.max_model_len // block_size),
-                max_model_len=self.max_model_len, dcp=self.builder.decode_hook,
+                max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
+                dcp=self.builder.decode_hook,
             )
             pieces = PiecewiseGraphs(self.model, self.caches, token_buckets(max_num_batched_tokens))
             if self.builder.decode_hook is None:
-                pieces.decode_rows = DecodeRowGraphs(
-                    self.model.decoder.layers, self.caches,
-                    (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out),
-                    decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
-                    max_blocks_per_seq=-(-self.max_model_len // block_size),
-                    max_model_len=self.max_model_len,
-                )
+                pieces.capture_decode_rows(decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
+                                           max_blocks, self.max_model_len)
             self.runner.pieces = pieces
             if self.parallel is not None:
                 # Not methods of self: the runtime's finalizer must not keep the LLM alive.

@@ -93,7 +93,7 @@ class PiecewiseGraphs:
             self.cos = zeros(rows, cos.shape[-1], dtype=cos.dtype)
             self.sin = zeros(rows, sin.shape[-1], dtype=sin.dtype)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        # Set by the engine: graphs of the decode rows' attention (None: all eager).
+        # Graphs of the decode rows' attention (`capture_decode_rows`; None: all eager).
         self.decode_rows: DecodeRowGraphs | None = None
         if device.type == "cuda":
             self._capture()
@@ -101,6 +101,16 @@ class PiecewiseGraphs:
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
+
+    def capture_decode_rows(self, sizes: list[int], max_blocks_per_seq: int,
+                            max_model_len: int) -> None:
+        """Let the single-token decode rows' attention replay graphs captured for each
+        row count in `sizes` (at most max_tokens), over these pieces' static buffers
+        (`DecodeRowGraphs`)."""
+        self.decode_rows = DecodeRowGraphs(
+            self.decoder.layers, self.caches, (self.q, self.kv_c, self.k_pe, self.attn_out),
+            sizes, max_blocks_per_seq, max_model_len,
+        )
 
     def _piece(self, i: int, rows: int) -> None:
         """Piece i over the first `rows` rows of the static buffers."""
