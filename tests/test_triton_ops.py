@@ -273,13 +273,36 @@ def test_decode_refuses_more_pieces_than_a_grid_axis_holds(monkeypatch) -> None:
         mla_decode(*args)
 
 
-def test_varlen_refuses_more_sequences_than_a_grid_axis_holds(monkeypatch) -> None:
-    # The prefill kernels put the sequences on a grid axis (65535 at most on a GPU).
-    from pagedmla.ops.triton import prefill as prefill_module
+def test_packed_blocks_bound_every_cut_of_the_tokens() -> None:
+    # The prefill grid (`packed_blocks`) must hold every sequence's query blocks for any
+    # cut of T tokens into B sequences of at most max_q; and it is exact where it can be.
+    from pagedmla.ops.triton.prefill import packed_blocks
 
-    monkeypatch.setattr(prefill_module, "GRID_YZ_MAX", 2)
-    with pytest.raises(ValueError, match="cu_seqlens_q: 3 sequences"):
-        _check_varlen([1, 2, 3], [1, 2, 3], 2, 16, 16, torch.float32, True, seed=36)
+    gen = torch.Generator().manual_seed(37)
+    for _ in range(2000):
+        B = int(torch.randint(1, 12, (1,), generator=gen))
+        lens = torch.randint(0, 300, (B,), generator=gen).tolist()
+        T = sum(lens) + int(torch.randint(0, 3, (1,), generator=gen))  # rows past them
+        need = sum(cdiv(n, 64) for n in lens)
+        assert need <= packed_blocks(T, B, max(lens), 64)
+    assert packed_blocks(300, 1, 300, 128) == 3
+    assert packed_blocks(256, 2, 128, 128) == 2  # two full blocks, no partial one
+    assert packed_blocks(4, 4, 1, 128) == 4
+
+
+@runnable
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_more_sequences_than_one_lookup_chunk(causal: bool) -> None:
+    # 150 sequences, more than the SEQ_CHUNK (128) a program's lookup of its (sequence,
+    # block) reads at once, with lengths 0 among them: every packed block finds its own.
+    from pagedmla.ops.triton.prefill import SEQ_CHUNK
+
+    gen = torch.Generator().manual_seed(38)
+    q_lens = torch.randint(0, 40, (150,), generator=gen).tolist()
+    q_lens[0] = q_lens[129] = 0
+    k_lens = q_lens if causal else torch.randint(0, 40, (150,), generator=gen).tolist()
+    assert len(q_lens) > SEQ_CHUNK.value
+    _check_varlen(q_lens, k_lens, 2, 16, 16, torch.float32, causal, seed=39)
 
 
 def test_combine_blocks_fit_the_real_piece_count() -> None:
@@ -1180,6 +1203,19 @@ def test_varlen_gpu(qk: int, dv: int, num_heads: int, causal: bool) -> None:
     q_lens = [0, 1, 300, 1029]
     k_lens = q_lens if causal else [5, 0, 2000, 1029]
     _check_varlen(q_lens, k_lens, num_heads, qk, dv, torch.bfloat16, causal, seed=500)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu_ragged_many_sequences(causal: bool) -> None:
+    # 300 sequences of 0-300 tokens and one of 3000: the packed query blocks of both
+    # kernels (the Gluon one on Hopper), across three lookup chunks of 128 sequences.
+    gen = torch.Generator().manual_seed(501)
+    q_lens = [*torch.randint(0, 300, (300,), generator=gen).tolist(), 3000]
+    q_lens[7] = 0
+    k_lens = q_lens if causal else torch.randint(0, 500, (301,), generator=gen).tolist()
+    _check_varlen(q_lens, k_lens, 16, 192, 128, torch.bfloat16, causal, seed=502)
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,19 @@
 """Variable-length attention with log-sum-exp, FlashAttention-2 style, in Triton.
 
-Grid (query blocks, heads, sequences): a program owns BLOCK_M queries of one head of
-one sequence and streams that sequence's keys and values in BLOCK_N tiles with an
-online softmax (base 2). The qk head dim need not be a power of two: it is split into
-a power-of-two part and the rest (192 = 128 + 64), each a tl.dot, summed. The v head
-dim may differ from the qk one (192 / 128).
+Grid (query blocks, heads): a program owns BLOCK_M queries of one head of one sequence
+and streams that sequence's keys and values in BLOCK_N tiles with an online softmax
+(base 2). The query blocks are the sequences' blocks packed one after another
+(`_packed_block`): a ragged batch launches about as many programs as it has blocks,
+not its longest sequence's blocks for every sequence, and a CUDA graph captured for T
+tokens covers any cut of them into at most B sequences. The qk head dim need not be a
+power of two: it is split into a power-of-two part and the rest (192 = 128 + 64), each
+a tl.dot, summed. The v head dim may differ from the qk one (192 / 128).
 
 Causal is bottom-right (query i of q_len sees keys < k_len - q_len + i + 1): key
 tiles wholly visible to every query of the block run without masks, the few on the
 diagonal with masks, and tiles wholly above it are never visited. Query blocks are
 launched heaviest first (the last block of a causal sequence has the most keys). The
-grid comes from max_seqlen_q (a host int): no device value is read on the host.
+grid comes from host ints (T, B, max_seqlen_q): no device value is read on the host.
 
 On a Hopper GPU, 16-bit calls whose rows the copy engine can read run the
 warp-specialized Gluon kernel of `prefill_hopper` instead, with the same outputs.
@@ -25,7 +28,6 @@ import triton
 import triton.language as tl
 
 from pagedmla.ops.triton._utils import (
-    GRID_YZ_MAX,
     cdiv,
     check_device,
     dot_precision,
@@ -67,6 +69,40 @@ def pick_config(qk_dim: int, v_dim: int, dtype: torch.dtype) -> PrefillConfig:
     if width <= 320:
         return PREFILL_CONFIGS["w<=320"]
     return PREFILL_CONFIGS["w>320"]
+
+
+# Sequences per step of `_packed_block`'s lookup (one vector of their lengths).
+SEQ_CHUNK = tl.constexpr(128)
+
+
+def packed_blocks(num_tokens: int, num_seqs: int, max_seqlen_q: int, block_m: int) -> int:
+    """Query blocks of block_m rows that num_seqs sequences of at most max_seqlen_q of
+    num_tokens queries can have, at most: each sequence adds at most one partial block
+    to cdiv(num_tokens, block_m), and none has more than cdiv(max_seqlen_q, block_m)."""
+    return max(0, min(cdiv(num_tokens, block_m) + num_seqs - 1,
+                      num_seqs * cdiv(max_seqlen_q, block_m)))
+
+
+@triton.jit
+def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: tl.constexpr):
+    """(sequence, query block) of packed block w: the sequences' blocks of BLOCK_M
+    queries counted one after another, from their lengths in cu_q_ptr, read in chunks
+    of SEQ_CHUNK sequences. Past the last block: (num_seqs, _)."""
+    offs = tl.arange(0, SEQ_CHUNK)
+    seq = tl.zeros([], tl.int32)
+    start = tl.zeros([], tl.int32)
+    base = tl.zeros([], tl.int32)
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        s = c + offs
+        ok = s < num_seqs
+        lo = tl.load(cu_q_ptr + s, mask=ok, other=0)
+        hi = tl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+        ends = base + tl.cumsum(tl.cdiv(hi - lo, BLOCK_M), 0)  # blocks through each
+        done = ok & (ends <= w)  # sequences wholly before block w
+        seq += tl.sum(done.to(tl.int32), 0)
+        start = tl.maximum(start, tl.max(tl.where(done, ends, 0), 0))
+        base = tl.max(tl.where(ok, ends, 0), 0)
+    return seq, w - start
 
 
 @triton.jit
@@ -134,17 +170,20 @@ def _varlen_attention_kernel(
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lh, stride_lt,
-    num_m_blocks, softmax_scale,
+    num_blocks, num_seqs, softmax_scale,
     QK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence)."""
-    m_block = num_m_blocks - 1 - tl.program_id(0)  # heaviest causal blocks first
+    """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence);
+    grid (num_blocks, heads) over the packed query blocks, the heaviest first."""
+    seq, m_block = _packed_block(cu_q_ptr, num_seqs, num_blocks - 1 - tl.program_id(0),
+                                 BLOCK_M)
     head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2)
+    past = seq >= num_seqs  # past the last block (the grid is a bound): no work
+    seq = tl.minimum(seq, num_seqs - 1)
     q_begin = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+    q_len = tl.where(past, 0, tl.load(cu_q_ptr + seq + 1) - q_begin)
     k_begin = tl.load(cu_k_ptr + seq)
     k_len = tl.load(cu_k_ptr + seq + 1) - k_begin
     m_start = m_block * BLOCK_M
@@ -239,9 +278,6 @@ def varlen_attention(
     num_tokens, num_heads, qk_dim = q.shape
     v_dim = v.shape[-1]
     num_seqs = cu_seqlens_q.shape[0] - 1
-    if num_seqs > GRID_YZ_MAX:  # both kernels put the sequences on a grid axis
-        raise ValueError(f"cu_seqlens_q: {num_seqs} sequences, more than the "
-                         f"{GRID_YZ_MAX} a launch allows; split the batch")
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     # No key at all (k and v empty): every query sees none. The copy engine cannot
@@ -260,12 +296,12 @@ def varlen_attention(
     d1, d2 = split_pow2(qk_dim)
     if d1 < 16:  # tl.dot needs K >= 16: pad a tiny head dim with masked columns
         d1, d2 = 16, 0
-    num_m_blocks = cdiv(max_seqlen_q, cfg.block_m)
-    _varlen_attention_kernel[(num_m_blocks, num_heads, num_seqs)](
+    num_blocks = packed_blocks(num_tokens, num_seqs, max_seqlen_q, cfg.block_m)
+    _varlen_attention_kernel[(num_blocks, num_heads)](
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_m_blocks, float(softmax_scale),
+        num_blocks, num_seqs, float(softmax_scale),
         QK=qk_dim, D1=d1, D2=d2, BLOCK_D2=max(16, next_pow2(d2)) if d2 else 16, DV=v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=bool(causal), PRECISION=dot_precision(q.dtype),

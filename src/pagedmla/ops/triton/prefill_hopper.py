@@ -44,8 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pagedmla.ops.triton._utils import cdiv, l2_cache_bytes, next_pow2
+from pagedmla.ops.triton._utils import l2_cache_bytes, next_pow2
 from pagedmla.ops.triton.decode_hopper import box_layout
+from pagedmla.ops.triton.prefill import SEQ_CHUNK, packed_blocks
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 STAGES = 2  # key tiles in flight
@@ -270,47 +271,76 @@ def _consume(q_smem1, q_smem2, k_ring1, k_ring2, v_ring, q_ready, k_ready, v_rea
 
 
 @gluon.jit
-def _program_tile(num_heads, num_m_blocks, GROUP: gl.constexpr):
-    """(head, query block) of this program from grid axis 0, in launch order: heads in
-    groups of GROUP, and within a group every head's last query block first, then the
-    one before it, and so on. Causal blocks later in a sequence see more keys, so the
-    largest jobs start first and the tail is short; the group's heads are read by the
-    programs running together, so their keys and values are still in L2 (with all heads
-    at once they would not be: 128 heads x 8k tokens of K and V is 670 MB)."""
+def _program_tile(num_heads, num_blocks, GROUP: gl.constexpr):
+    """(head, packed query block) of this program, in launch order: heads in groups of
+    GROUP, and within a group every head's last packed block first, then the one before
+    it, and so on. Causal blocks later in a sequence see more keys, so the largest jobs
+    start first and the tail is short; the group's heads are read by the programs
+    running together, so their keys and values are still in L2 (with all heads at once
+    they would not be: 128 heads x 8k tokens of K and V is 670 MB)."""
     pid = gl.program_id(0)
-    per_group = GROUP * num_m_blocks
+    per_group = GROUP * num_blocks
     first = pid // per_group * GROUP
     rest = pid % per_group
     heads = gl.minimum(GROUP, num_heads - first)
-    return first + rest % heads, num_m_blocks - 1 - rest // heads
+    return first + rest % heads, num_blocks - 1 - rest // heads
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: gl.constexpr):
+    """(sequence, query block) of packed block w, as `prefill._packed_block` (Gluon
+    needs the chunk's layout): past the last block, (num_seqs, _)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    offs = gl.arange(0, SEQ_CHUNK, layout)
+    seq = gl.to_tensor(0)
+    start = gl.to_tensor(0)
+    base = gl.to_tensor(0)
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        s = c + offs
+        ok = s < num_seqs
+        lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
+        hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+        ends = base + gl.associative_scan((hi - lo + BLOCK_M - 1) // BLOCK_M, 0, _add)
+        done = ok & (ends <= w)
+        seq += gl.sum(done.to(gl.int32), 0)
+        start = gl.maximum(start, gl.max(gl.where(done, ends, 0), 0))
+        base = gl.max(gl.where(ok, ends, 0), 0)
+    return seq, w - start
 
 
 @gluon.jit
 def _varlen_hopper_kernel(
     q_desc1, q_desc2, k_desc1, k_desc2, v_desc, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lh, stride_lt,
-    num_heads, num_m_blocks, softmax_scale,
+    num_heads, num_blocks, num_seqs, softmax_scale,
     DV: gl.constexpr, D2: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     """out [BLOCK_M, DV] and lse [BLOCK_M] of one query block of one (head, sequence);
-    grid (num_heads x num_m_blocks, sequences). q_desc1 / k_desc1 copy the first D1 qk
+    grid (num_heads x num_blocks,): the sequences' query blocks packed one after another
+    (`_packed_block`), so a ragged batch, or one whose tokens are mostly padding, launches
+    about as many programs as it has blocks. q_desc1 / k_desc1 copy the first D1 qk
     columns, q_desc2 / k_desc2 the D2 after them (D2 = 0: unused), v_desc the DV v
     columns; all over [T, N x D] row views."""
     BLOCK_M: gl.constexpr = q_desc1.block_type.shape[0]
     D1: gl.constexpr = q_desc1.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc1.block_type.shape[0]
     STAGES: gl.constexpr = 2
-    head, m_block = _program_tile(num_heads, num_m_blocks, GROUP)
-    seq = gl.program_id(1)
+    head, packed = _program_tile(num_heads, num_blocks, GROUP)
+    seq, m_block = _packed_block(cu_q_ptr, num_seqs, packed, BLOCK_M)
+    if seq >= num_seqs:
+        # Past the last sequence's last block (the grid is a bound): nothing to do, so
+        # leave before the shared memory, the barriers and the partitions are set up.
+        return
     q_begin = gl.load(cu_q_ptr + seq)
     q_len = gl.load(cu_q_ptr + seq + 1) - q_begin
     k_begin = gl.load(cu_k_ptr + seq)
     k_len = gl.load(cu_k_ptr + seq + 1) - k_begin
     m_start = m_block * BLOCK_M
-    if m_start >= q_len:
-        # A block past its sequence (the grid covers the longest one): nothing to do,
-        # so leave before the shared memory, the barriers and the partitions are set up.
-        return
     if CAUSAL:
         q_shift = k_len - q_len  # query i sees keys <= i + q_shift
         # Keys every query of the block sees, and keys any of its queries sees.
@@ -401,11 +431,12 @@ def varlen_attention_into(
     k2 = _row_descriptor(k, n, d2) if d2 else k1
     vd = _row_descriptor(v, n, v_dim)
     num_heads = q.shape[1]
-    num_m_blocks = cdiv(max_seqlen_q, BLOCK_M)
-    _varlen_hopper_kernel[(num_heads * num_m_blocks, cu_seqlens_q.shape[0] - 1)](
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    num_blocks = packed_blocks(q.shape[0], num_seqs, max_seqlen_q, BLOCK_M)
+    _varlen_hopper_kernel[(num_heads * num_blocks,)](
         q1, q2, k1, k2, vd, cu_seqlens_q, cu_seqlens_k, out, lse,
         q.stride(1), k.stride(1), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), lse.stride(1), num_heads, num_m_blocks, float(softmax_scale),
+        lse.stride(0), lse.stride(1), num_heads, num_blocks, num_seqs, float(softmax_scale),
         DV=v_dim, D2=d2, GROUP=head_group(num_heads, max_seqlen_k, qk_dim + v_dim, q),
         CAUSAL=bool(causal), num_warps=4,
     )
