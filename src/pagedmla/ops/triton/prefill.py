@@ -84,11 +84,21 @@ def packed_blocks(num_tokens: int, num_seqs: int, max_seqlen_q: int, block_m: in
 
 
 @triton.jit
-def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: tl.constexpr):
-    """(sequence, query block) of packed block w: the sequences' blocks of BLOCK_M
-    queries counted one after another, from their lengths in cu_q_ptr, read in chunks
-    of SEQ_CHUNK sequences. Past the last block: (num_seqs, _)."""
+def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: tl.constexpr):
+    """(sequence, query block) of the program launched i-th: the sequences' blocks of
+    BLOCK_M queries counted one after another, from their lengths in cu_q_ptr (read in
+    chunks of SEQ_CHUNK sequences), taken from the last: the heaviest causal blocks
+    start first, and programs past the first block (the grid is a bound) come last and
+    get (num_seqs, 0)."""
     offs = tl.arange(0, SEQ_CHUNK)
+    total = tl.zeros([], tl.int32)
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        s = c + offs
+        ok = s < num_seqs
+        lo = tl.load(cu_q_ptr + s, mask=ok, other=0)
+        hi = tl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+        total += tl.sum(tl.cdiv(hi - lo, BLOCK_M), 0)
+    w = total - 1 - i  # the packed block, counted from the first
     seq = tl.zeros([], tl.int32)
     start = tl.zeros([], tl.int32)
     base = tl.zeros([], tl.int32)
@@ -102,7 +112,7 @@ def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: tl.constexpr):
         seq += tl.sum(done.to(tl.int32), 0)
         start = tl.maximum(start, tl.max(tl.where(done, ends, 0), 0))
         base = tl.max(tl.where(ok, ends, 0), 0)
-    return seq, w - start
+    return tl.where(w < 0, num_seqs, seq), tl.maximum(w - start, 0)
 
 
 @triton.jit
@@ -176,9 +186,8 @@ def _varlen_attention_kernel(
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence);
-    grid (num_blocks, heads) over the packed query blocks, the heaviest first."""
-    seq, m_block = _packed_block(cu_q_ptr, num_seqs, num_blocks - 1 - tl.program_id(0),
-                                 BLOCK_M)
+    grid (num_blocks, heads) over the packed query blocks (`_packed_block`)."""
+    seq, m_block = _packed_block(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M)
     head = tl.program_id(1).to(tl.int64)
     past = seq >= num_seqs  # past the last block (the grid is a bound): no work
     seq = tl.minimum(seq, num_seqs - 1)

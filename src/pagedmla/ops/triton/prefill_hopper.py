@@ -272,18 +272,18 @@ def _consume(q_smem1, q_smem2, k_ring1, k_ring2, v_ring, q_ready, k_ready, v_rea
 
 @gluon.jit
 def _program_tile(num_heads, num_blocks, GROUP: gl.constexpr):
-    """(head, packed query block) of this program, in launch order: heads in groups of
-    GROUP, and within a group every head's last packed block first, then the one before
-    it, and so on. Causal blocks later in a sequence see more keys, so the largest jobs
-    start first and the tail is short; the group's heads are read by the programs
-    running together, so their keys and values are still in L2 (with all heads at once
-    they would not be: 128 heads x 8k tokens of K and V is 670 MB)."""
+    """(head, i) of this program: heads in groups of GROUP, and within a group every
+    head's i-th block (`_packed_block`: from the last packed block back, so the largest
+    causal jobs start first and the tail is short), for i = 0, 1, .. . The group's heads
+    are read by the programs running together, so their keys and values are still in L2
+    (with all heads at once they would not be: 128 heads x 8k tokens of K and V is 670
+    MB)."""
     pid = gl.program_id(0)
     per_group = GROUP * num_blocks
     first = pid // per_group * GROUP
     rest = pid % per_group
     heads = gl.minimum(GROUP, num_heads - first)
-    return first + rest % heads, num_blocks - 1 - rest // heads
+    return first + rest % heads, rest // heads
 
 
 @gluon.jit
@@ -292,11 +292,19 @@ def _add(a, b):
 
 
 @gluon.jit
-def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: gl.constexpr):
-    """(sequence, query block) of packed block w, as `prefill._packed_block` (Gluon
-    needs the chunk's layout): past the last block, (num_seqs, _)."""
+def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
+    """(sequence, query block) of the program launched i-th, as `prefill._packed_block`
+    (Gluon needs the chunk's layout): past the first block, (num_seqs, 0)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, SEQ_CHUNK, layout)
+    total = gl.to_tensor(0)
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        s = c + offs
+        ok = s < num_seqs
+        lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
+        hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+        total += gl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    w = total - 1 - i  # the packed block, counted from the first
     seq = gl.to_tensor(0)
     start = gl.to_tensor(0)
     base = gl.to_tensor(0)
@@ -310,7 +318,7 @@ def _packed_block(cu_q_ptr, num_seqs, w, BLOCK_M: gl.constexpr):
         seq += gl.sum(done.to(gl.int32), 0)
         start = gl.maximum(start, gl.max(gl.where(done, ends, 0), 0))
         base = gl.max(gl.where(ok, ends, 0), 0)
-    return seq, w - start
+    return gl.where(w < 0, num_seqs, seq), gl.maximum(w - start, 0)
 
 
 @gluon.jit
