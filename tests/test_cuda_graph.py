@@ -59,15 +59,15 @@ def test_graph_inputs_stage_pads_and_checks() -> None:
 
 
 def _count_calls(owner: object | None, name: str) -> list[int]:
-    """A counter of owner.name's calls that return something other than None (stays [0]
-    without the owner): wraps the method on that instance."""
+    """A counter of owner.name's calls that return something other than None or False
+    (stays [0] without the owner): wraps the method on that instance."""
     count = [0]
     if owner is not None:
         method = getattr(owner, name)
 
         def counted(*args):
             result = method(*args)
-            count[0] += result is not None
+            count[0] += result is not None and result is not False
             return result
 
         setattr(owner, name, counted)
@@ -85,6 +85,12 @@ def _count_decode_row_steps(llm: LLM) -> list[int]:
     return _count_calls(pieces and pieces.decode_rows, "stage")
 
 
+def _count_prompt_steps(llm: LLM) -> list[int]:
+    """A counter of the steps whose prompts replay `PromptGraphs`."""
+    pieces = llm.runner.pieces
+    return _count_calls(pieces and pieces.prompt_rows, "stage")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_graphs_match_eager() -> None:
@@ -93,7 +99,8 @@ def test_engine_graphs_match_eager() -> None:
     async scheduling too: rows leave from the front (max_tokens 13 + i), so the ahead
     steps gather their token ids from the device, and one sequence stops on a token.
     A budget of 48 tokens a step cuts the longer prompts into chunks that share steps
-    with decodes, whose rows then replay `DecodeRowGraphs`."""
+    with decodes, whose rows then replay `DecodeRowGraphs`; the first step's prompts,
+    without context, replay `PromptGraphs`."""
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=13 + i, logprobs=1, ignore_eos=True)
               for i in range(12)]
@@ -108,10 +115,12 @@ def test_engine_graphs_match_eager() -> None:
                                        ignore_eos=True, stop_token_ids=[first[6]])
         pieces = _count_piece_steps(llm)
         decode_rows = _count_decode_row_steps(llm)
+        prompt_rows = _count_prompt_steps(llm)
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         assert (llm.runner.graphs is None) == eager
         assert (pieces[0] > 0) != eager  # the prompts' steps replayed piecewise graphs
         assert (decode_rows[0] > 0) != eager  # and decode rows among them theirs
+        assert (prompt_rows[0] > 0) != eager  # and prompts theirs
     assert runs[0][5].outputs[0].finish_reason == "stop"
     for eager_out, *graph_outs in zip(*runs, strict=True):
         a = eager_out.outputs[0]

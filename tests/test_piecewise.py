@@ -14,6 +14,7 @@ import torch
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine.decode_rows import decode_row_sizes
 from pagedmla.engine.piecewise import MAX_TOKENS, PiecewiseGraphs, token_buckets
+from pagedmla.engine.prompt_rows import PromptGraphs
 from pagedmla.metadata import BatchSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=7, logprobs=1, ignore_eos=True)
@@ -46,17 +47,22 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("buckets", "decode_sizes"),
-    [(token_buckets(40), None), ([16], None), (token_buckets(40), [1, 2, 4, 16]),
-     (token_buckets(40), [1, 2])],
+    ("buckets", "decode_sizes", "prompt_graphs"),
+    [(token_buckets(40), None, False), ([16], None, False),
+     (token_buckets(40), [1, 2, 4, 16], False), (token_buckets(40), [1, 2], False),
+     (token_buckets(40), [1, 2, 4, 16], True), (token_buckets(40), [1, 2], True)],
 )
-def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | None) -> None:
+def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | None,
+                                  prompt_graphs: bool) -> None:
     """Greedy tokens identical and logprobs within 1e-4 (float32: padded GEMMs may sum in
     another order). The 40-token budget makes mixed and chunked steps of 1-40 tokens;
     with buckets [16] the larger ones fall back to whole eager steps. With decode_sizes
     the decode rows of mixed steps attend through `DecodeRowGraphs`' static buffers,
     padded up to a size (called, not replayed, on the CPU), and steps with more decode
-    rows than the largest size keep the eager path."""
+    rows than the largest size keep the eager path. With prompt_graphs, steps whose other rows
+    are prompts without context attend through `PromptGraphs`' (called too); chunks
+    after a prompt's first, and prompts on a cached prefix, have context and stay
+    eager."""
     prompts = _prompts()
     reference = LLM("tiny", **OPTIONS)
     expected = [reference.generate(prompts, GREEDY, use_tqdm=False) for _ in range(2)]
@@ -85,6 +91,18 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
             return taken
 
         pieces.decode_rows.stage = counted_stage
+    prompt_steps: list[bool] = []  # per step with prompts: staged into PromptGraphs
+    if prompt_graphs:
+        pieces.capture_prompt_rows()
+        stage_prompts = pieces.prompt_rows.stage
+
+        def counted_prompts(meta, first, rows):
+            taken = stage_prompts(meta, first, rows)
+            if meta.prefill is not None:
+                prompt_steps.append(taken)
+            return taken
+
+        pieces.prompt_rows.stage = counted_prompts
     sizes: list[int] = []
     run = pieces.run
 
@@ -108,6 +126,8 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
         # Padded rows ran (e.g. 8 decodes in 16 rows) / steps of more stayed eager.
         assert any(k not in decode_sizes for k in taken) == (decode_sizes[-1] == 16)
         assert any(lead > decode_sizes[-1] for _, lead, _ in staged) == (decode_sizes[-1] == 2)
+    if prompt_graphs:
+        assert any(prompt_steps) and not all(prompt_steps)
     for ref_set, out_set in zip(expected, outputs, strict=True):
         for ref, out in zip(ref_set, out_set, strict=True):
             want, got = ref.outputs[0], out.outputs[0]
@@ -162,3 +182,70 @@ def test_decode_rows_stage_pads_and_leaves_the_rest_eager() -> None:
     # No leading single-token decode, or more than the largest size: nothing staged.
     assert graphs.stage(llm.builder.build(_spec([3, 12], [25, 12], block))) is None
     assert graphs.stage(llm.builder.build(_spec([1] * 9, [5] * 9, block))) is None
+
+
+def test_prompt_graphs_beside_graphed_decodes() -> None:
+    # Two sequences at a time, generating 3-9 tokens each: each prompt after the first
+    # two is admitted while the other request decodes, so its step has a graphed decode
+    # row before the prompt's rows, which `PromptGraphs` attends (called) with the decode
+    # row in its first sequence. Only the prompt's rows may reach the output and cache.
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (3, 9, 14, 6, 11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True)
+              for n in (3, 9, 5, 8, 4)]
+    options = dict(OPTIONS, max_num_seqs=2)
+    expected = LLM("tiny", **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny", **options)
+    pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
+    llm.runner.pieces = pieces
+    pieces.capture_decode_rows([1, 2], -(-llm.max_model_len // OPTIONS["block_size"]),
+                               llm.max_model_len)
+    pieces.capture_prompt_rows()
+    stage = pieces.prompt_rows.stage
+    firsts: list[int] = []  # rows before the prompts, in each step staged
+
+    def counted(meta, first, rows):
+        taken = stage(meta, first, rows)
+        if taken:
+            firsts.append(first)
+        return taken
+
+    pieces.prompt_rows.stage = counted
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert firsts == [0, 1, 1, 1]  # the first two together, then one beside a decode
+    for ref, out in zip(expected, outputs, strict=True):
+        want, got = ref.outputs[0], out.outputs[0]
+        assert got.token_ids == want.token_ids
+        for token, a, b in zip(got.token_ids, want.logprobs, got.logprobs, strict=True):
+            assert abs(a[token] - b[token]) <= 1e-4
+
+
+def test_prompt_rows_stage_cuts_the_rows_into_sequences() -> None:
+    # Two single-token decodes (taken by the decode-row graphs), then prompts of 5 and 3
+    # tokens without context: rows 2..9 of a 16-row bucket. The sequences are rows 0-1,
+    # the two prompts, six empty ones and the padding rows 10-15; slots are -1 outside the
+    # prompts (also after a step that filled them) and only the prompts' rows are kept.
+    llm = LLM("tiny", **OPTIONS)
+    pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
+    block = OPTIONS["block_size"]
+    pieces.capture_decode_rows([1, 8], max_blocks_per_seq=8, max_model_len=64)
+    pieces.capture_prompt_rows()
+    graphs = pieces.prompt_rows
+    assert graphs.stage(llm.builder.build(_spec([16], [16], block)), 0, 16)
+    spec = _spec([1, 1, 5, 3], [9, 20, 5, 3], block)
+    meta = llm.builder.build(spec).for_forward()
+    first, rest = pieces.decode_rows.stage(meta)
+    assert first == 2 and graphs.stage(rest, first, 16) and graphs.rows == 16
+    assert graphs.cu_seqlens.tolist() == [0, 2, 7, 10, 10, 10, 10, 10, 10, 10, 16]
+    slots = spec.slot_mapping.tolist()
+    assert graphs.slot_mapping[:16].tolist() == [-1, -1, *slots[2:], *[-1] * 6]
+    assert graphs.keep[:16, 0].tolist() == [False] * 2 + [True] * 8 + [False] * 6
+    # Not staged: decodes left to the eager path, a prompt with context, more prompts
+    # than the graphs hold.
+    assert not graphs.stage(meta, 0, 16)
+    assert not graphs.stage(llm.builder.build(_spec([4], [12], block)), 0, 16)
+    one = PromptGraphs(pieces.decoder.layers, pieces.caches,
+                       (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [16, 32],
+                       max_prompts=1)
+    assert not one.stage(rest, first, 16)
+    assert one.stage(llm.builder.build(_spec([5], [5], block)), 0, 16)

@@ -169,6 +169,7 @@ class LLM:
             if self.builder.decode_hook is None:
                 pieces.capture_decode_rows(decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
                                            max_blocks, self.max_model_len)
+                pieces.capture_prompt_rows()
             self.runner.pieces = pieces
             if self.parallel is not None:
                 # Not methods of self: the runtime's finalizer must not keep the LLM alive.

@@ -9,8 +9,8 @@ with the norm, the MLP or experts) and projects layer i; piece n finishes the la
 layer and applies the final norm. Each piece is captured once per token bucket (T padded
 up to a power of two), and attention runs eagerly between the replays on the step's
 real rows. A step of 27 layers then launches 28 graphs and the attention kernels instead
-of ~470 kernels, one at a time from Python. The decode rows' attention can replay
-graphs of its own (`decode_rows`, `engine/decode_rows.py`).
+of ~470 kernels, one at a time from Python. The decode rows' attention and the prompts'
+can replay graphs of their own (`engine/decode_rows.py`, `engine/prompt_rows.py`).
 
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
@@ -32,6 +32,7 @@ import torch
 
 from pagedmla.cache import LatentKVCache
 from pagedmla.engine.decode_rows import DecodeRowGraphs
+from pagedmla.engine.prompt_rows import PromptGraphs
 from pagedmla.metadata import MLAMetadata
 
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
@@ -95,6 +96,8 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # Graphs of the decode rows' attention (`capture_decode_rows`; None: all eager).
         self.decode_rows: DecodeRowGraphs | None = None
+        # Graphs of the prompts' attention (`capture_prompt_rows`; None: all eager).
+        self.prompt_rows: PromptGraphs | None = None
         if device.type == "cuda":
             self._capture()
 
@@ -110,6 +113,15 @@ class PiecewiseGraphs:
         self.decode_rows = DecodeRowGraphs(
             self.decoder.layers, self.caches, (self.q, self.kv_c, self.k_pe, self.attn_out),
             sizes, max_blocks_per_seq, max_model_len,
+        )
+
+    def capture_prompt_rows(self) -> None:
+        """Let steps whose rows after the graphed decode rows are all prompts without
+        context replay graphs of the prompts' attention, captured for each bucket over
+        these pieces' static buffers (`PromptGraphs`)."""
+        self.prompt_rows = PromptGraphs(
+            self.decoder.layers, self.caches, (self.q, self.kv_c, self.k_pe, self.attn_out),
+            self.buckets,
         )
 
     def _piece(self, i: int, rows: int) -> None:
@@ -168,8 +180,9 @@ class PiecewiseGraphs:
             for graph in graphs:
                 graph.reset()
         self.graphs.clear()
-        if self.decode_rows is not None:
-            self.decode_rows.release()
+        for graphs in (self.decode_rows, self.prompt_rows):
+            if graphs is not None:
+                graphs.release()
 
     @torch.inference_mode()
     def run(
@@ -201,10 +214,15 @@ class PiecewiseGraphs:
         if staged is not None:  # rows 0..K-1 replay graphs, the rest runs eagerly
             first, meta = staged
             real = slice(first, num_tokens)
+        # ... unless the rest are prompts that replay graphs too.
+        prompts = self.prompt_rows is not None and self.prompt_rows.stage(meta, real.start,
+                                                                          rows)
         for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
             if staged is not None:
                 self.decode_rows.replay(i)
-            if real.start < real.stop:
+            if prompts:
+                self.prompt_rows.replay(i)
+            elif real.start < real.stop:
                 layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache,
                                      meta, out=self.attn_out[real])
             self._replay(i + 1, rows)
