@@ -17,7 +17,8 @@ context parallelism over the same two ranks.
 
 `--arrivals N` also times steps that add one N-token prompt each to the decodes
 (continuous arrivals): mixed steps, eager in the eager mode; in the graph modes
-everything but attention replays piecewise graphs (`PiecewiseGraphs`).
+everything but attention replays piecewise graphs (`PiecewiseGraphs`), and so does the
+attention of the decode rows and of the new prompt (`DecodeRowGraphs`, `PromptGraphs`).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
 def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
                      arrival_len: int) -> dict[str, float]:
     """Steps of `batch` decodes plus one new `arrival_len`-token prompt each (continuous
-    arrivals): such steps are never graphs. Wall time per step, synchronous, median
-    after the first (which may compile kernels for the new shapes)."""
+    arrivals): never one whole-step graph (see the module docstring). Wall time per
+    step, synchronous, median after the first (which may compile kernels for the new
+    shapes)."""
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
     _add_requests(llm, gen, 20_000, batch, prompt_len, params)
