@@ -37,6 +37,15 @@ def test_token_buckets() -> None:
     assert token_buckets(1 << 20)[-1] == MAX_TOKENS
 
 
+def _assert_same_generations(expected: list, outputs: list) -> None:
+    """Greedy tokens identical, and their logprobs within 1e-4."""
+    for ref, out in zip(expected, outputs, strict=True):
+        want, got = ref.outputs[0], out.outputs[0]
+        assert got.token_ids == want.token_ids
+        for token, a, b in zip(got.token_ids, want.logprobs, got.logprobs, strict=True):
+            assert abs(a[token] - b[token]) <= 1e-4
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 259, (24,), generator=gen).tolist()
@@ -129,11 +138,7 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
     if prompt_graphs:
         assert any(prompt_steps) and not all(prompt_steps)
     for ref_set, out_set in zip(expected, outputs, strict=True):
-        for ref, out in zip(ref_set, out_set, strict=True):
-            want, got = ref.outputs[0], out.outputs[0]
-            assert got.token_ids == want.token_ids
-            for token, a, b in zip(got.token_ids, want.logprobs, got.logprobs, strict=True):
-                assert abs(a[token] - b[token]) <= 1e-4
+        _assert_same_generations(ref_set, out_set)
 
 
 def test_more_tokens_than_the_largest_bucket_is_an_error() -> None:
@@ -213,11 +218,7 @@ def test_prompt_graphs_beside_graphed_decodes() -> None:
     pieces.prompt_rows.stage = counted
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert firsts == [0, 1, 1, 1]  # the first two together, then one beside a decode
-    for ref, out in zip(expected, outputs, strict=True):
-        want, got = ref.outputs[0], out.outputs[0]
-        assert got.token_ids == want.token_ids
-        for token, a, b in zip(got.token_ids, want.logprobs, got.logprobs, strict=True):
-            assert abs(a[token] - b[token]) <= 1e-4
+    _assert_same_generations(expected, outputs)
 
 
 def test_prompt_rows_stage_cuts_the_rows_into_sequences() -> None:

@@ -12,6 +12,7 @@ contexts stays correct and fast when replayed with long or ragged ones.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,31 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] < max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
+
+
+def capture_each(
+    count: int, body: Callable[[int], None], pool: tuple | None
+) -> tuple[list[torch.cuda.CUDAGraph], tuple]:
+    """Graphs of body(0), .., body(count - 1), captured in that order into one memory
+    pool (`pool`, an earlier capture's, or None for a new one); returns them and the
+    pool for the next capture. Whatever crosses graphs must live in static buffers:
+    each graph's temporaries are dead once its capture ends, and later ones reuse them."""
+    graphs = []
+    for i in range(count):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            body(i)
+        pool = graph.pool()
+        graphs.append(graph)
+    return graphs, pool
+
+
+def reset_all(graphs: dict[int, list[torch.cuda.CUDAGraph]]) -> None:
+    """Free every graph of `graphs` (lists of graphs by size) and empty it."""
+    for each in graphs.values():
+        for graph in each:
+            graph.reset()
+    graphs.clear()
 
 
 def _padded_rows(max_rows: int) -> int:

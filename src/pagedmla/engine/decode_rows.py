@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from pagedmla.cache import LatentKVCache
-from pagedmla.engine.cuda_graph import GraphInputs, graph_metadata
+from pagedmla.engine.cuda_graph import GraphInputs, capture_each, graph_metadata, reset_all
 from pagedmla.metadata import MLAMetadata
 
 
@@ -92,14 +92,9 @@ class DecodeRowGraphs:
             # One forward's metadata for all layers: layer 0's graph makes the split plan
             # (from each replay's seq_lens), the others read it; it must outlive them.
             meta = self._captured[rows] = self.metadata[rows].for_forward()
-            graphs = []
-            for i in range(len(self.layers)):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._attend(i, rows, meta)
-                pool = graph.pool()
-                graphs.append(graph)
-            self.graphs[rows] = graphs
+            self.graphs[rows], pool = capture_each(
+                len(self.layers), lambda i, rows=rows, meta=meta: self._attend(i, rows, meta),
+                pool)
         torch.cuda.synchronize()
 
     def stage(self, meta: MLAMetadata) -> tuple[int, MLAMetadata] | None:
@@ -164,7 +159,4 @@ class DecodeRowGraphs:
 
     def release(self) -> None:
         """Free the captured graphs."""
-        for graphs in self.graphs.values():
-            for graph in graphs:
-                graph.reset()
-        self.graphs.clear()
+        reset_all(self.graphs)

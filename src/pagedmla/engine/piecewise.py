@@ -31,6 +31,7 @@ import bisect
 import torch
 
 from pagedmla.cache import LatentKVCache
+from pagedmla.engine.cuda_graph import capture_each, reset_all
 from pagedmla.engine.decode_rows import DecodeRowGraphs
 from pagedmla.engine.prompt_rows import PromptGraphs
 from pagedmla.metadata import MLAMetadata
@@ -157,14 +158,8 @@ class PiecewiseGraphs:
             for i in pieces:  # warm-up outside the graphs: compiles kernels for this T
                 self._piece(i, rows)
             torch.cuda.synchronize()
-            graphs = []
-            for i in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._piece(i, rows)
-                pool = graph.pool()
-                graphs.append(graph)
-            self.graphs[rows] = graphs
+            self.graphs[rows], pool = capture_each(
+                len(pieces), lambda i, rows=rows: self._piece(i, rows), pool)
         torch.cuda.synchronize()
 
     def _replay(self, i: int, rows: int) -> None:
@@ -176,10 +171,7 @@ class PiecewiseGraphs:
     def release(self) -> None:
         """Free the captured graphs (and with them the collectives they hold)."""
         torch.cuda.synchronize(self.device)
-        for graphs in self.graphs.values():
-            for graph in graphs:
-                graph.reset()
-        self.graphs.clear()
+        reset_all(self.graphs)
         for graphs in (self.decode_rows, self.prompt_rows):
             if graphs is not None:
                 graphs.release()

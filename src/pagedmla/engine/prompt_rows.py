@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla.cache import LatentKVCache
+from pagedmla.engine.cuda_graph import capture_each, reset_all
 from pagedmla.metadata import MLAMetadata, PrefillMetadata
 
 MAX_PROMPTS = 8  # prompts a graphed step may hold; each adds a query block to the grid
@@ -118,14 +119,8 @@ class PromptGraphs:
             for i in range(len(self.layers)):  # warm-up: compiles this bucket's kernels
                 self._attend(i, rows)
             torch.cuda.synchronize()
-            graphs = []
-            for i in range(len(self.layers)):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._attend(i, rows)
-                pool = graph.pool()
-                graphs.append(graph)
-            self.graphs[rows] = graphs
+            self.graphs[rows], pool = capture_each(
+                len(self.layers), lambda i, rows=rows: self._attend(i, rows), pool)
         torch.cuda.synchronize()
 
     def stage(self, meta: MLAMetadata, first: int, rows: int) -> bool:
@@ -165,7 +160,4 @@ class PromptGraphs:
 
     def release(self) -> None:
         """Free the captured graphs."""
-        for graphs in self.graphs.values():
-            for graph in graphs:
-                graph.reset()
-        self.graphs.clear()
+        reset_all(self.graphs)

@@ -84,6 +84,16 @@ def packed_blocks(num_tokens: int, num_seqs: int, max_seqlen_q: int, block_m: in
 
 
 @triton.jit
+def _query_blocks(cu_q_ptr, s, num_seqs, BLOCK_M: tl.constexpr):
+    """Query blocks of BLOCK_M rows in sequences s (0 past the last one), and which of
+    s are sequences."""
+    ok = s < num_seqs
+    lo = tl.load(cu_q_ptr + s, mask=ok, other=0)
+    hi = tl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+    return tl.cdiv(hi - lo, BLOCK_M), ok
+
+
+@triton.jit
 def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: tl.constexpr):
     """(sequence, query block) of the program launched i-th: the sequences' blocks of
     BLOCK_M queries counted one after another, from their lengths in cu_q_ptr (read in
@@ -93,21 +103,14 @@ def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: tl.constexpr):
     offs = tl.arange(0, SEQ_CHUNK)
     total = tl.zeros([], tl.int32)
     for c in range(0, num_seqs, SEQ_CHUNK):
-        s = c + offs
-        ok = s < num_seqs
-        lo = tl.load(cu_q_ptr + s, mask=ok, other=0)
-        hi = tl.load(cu_q_ptr + s + 1, mask=ok, other=0)
-        total += tl.sum(tl.cdiv(hi - lo, BLOCK_M), 0)
+        total += tl.sum(_query_blocks(cu_q_ptr, c + offs, num_seqs, BLOCK_M)[0], 0)
     w = total - 1 - i  # the packed block, counted from the first
     seq = tl.zeros([], tl.int32)
     start = tl.zeros([], tl.int32)
     base = tl.zeros([], tl.int32)
     for c in range(0, num_seqs, SEQ_CHUNK):
-        s = c + offs
-        ok = s < num_seqs
-        lo = tl.load(cu_q_ptr + s, mask=ok, other=0)
-        hi = tl.load(cu_q_ptr + s + 1, mask=ok, other=0)
-        ends = base + tl.cumsum(tl.cdiv(hi - lo, BLOCK_M), 0)  # blocks through each
+        blocks, ok = _query_blocks(cu_q_ptr, c + offs, num_seqs, BLOCK_M)
+        ends = base + tl.cumsum(blocks, 0)  # blocks through each
         done = ok & (ends <= w)  # sequences wholly before block w
         seq += tl.sum(done.to(tl.int32), 0)
         start = tl.maximum(start, tl.max(tl.where(done, ends, 0), 0))

@@ -292,6 +292,15 @@ def _add(a, b):
 
 
 @gluon.jit
+def _query_blocks(cu_q_ptr, s, num_seqs, BLOCK_M: gl.constexpr):
+    """As `prefill._query_blocks`: query blocks in sequences s, and which of s exist."""
+    ok = s < num_seqs
+    lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
+    hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
+    return (hi - lo + BLOCK_M - 1) // BLOCK_M, ok
+
+
+@gluon.jit
 def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
     """(sequence, query block) of the program launched i-th, as `prefill._packed_block`
     (Gluon needs the chunk's layout): past the first block, (num_seqs, 0)."""
@@ -299,21 +308,14 @@ def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
     offs = gl.arange(0, SEQ_CHUNK, layout)
     total = gl.to_tensor(0)
     for c in range(0, num_seqs, SEQ_CHUNK):
-        s = c + offs
-        ok = s < num_seqs
-        lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
-        hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
-        total += gl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+        total += gl.sum(_query_blocks(cu_q_ptr, c + offs, num_seqs, BLOCK_M)[0], 0)
     w = total - 1 - i  # the packed block, counted from the first
     seq = gl.to_tensor(0)
     start = gl.to_tensor(0)
     base = gl.to_tensor(0)
     for c in range(0, num_seqs, SEQ_CHUNK):
-        s = c + offs
-        ok = s < num_seqs
-        lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
-        hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
-        ends = base + gl.associative_scan((hi - lo + BLOCK_M - 1) // BLOCK_M, 0, _add)
+        blocks, ok = _query_blocks(cu_q_ptr, c + offs, num_seqs, BLOCK_M)
+        ends = base + gl.associative_scan(blocks, 0, _add)
         done = ok & (ends <= w)
         seq += gl.sum(done.to(gl.int32), 0)
         start = gl.maximum(start, gl.max(gl.where(done, ends, 0), 0))
