@@ -183,13 +183,13 @@ def _varlen_attention_kernel(
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lh, stride_lt,
-    num_blocks, num_seqs, softmax_scale,
+    num_seqs, softmax_scale,
     QK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out [BLOCK_M, DV] and lse [BLOCK_M] for one query block of one (head, sequence);
-    grid (num_blocks, heads) over the packed query blocks (`_packed_block`)."""
+    grid (packed query blocks, heads) (`_packed_block`)."""
     seq, m_block = _packed_block(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_M)
     head = tl.program_id(1).to(tl.int64)
     past = seq >= num_seqs  # past the last block (the grid is a bound): no work
@@ -313,7 +313,7 @@ def varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_blocks, num_seqs, float(softmax_scale),
+        num_seqs, float(softmax_scale),
         QK=qk_dim, D1=d1, D2=d2, BLOCK_D2=max(16, next_pow2(d2)) if d2 else 16, DV=v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=bool(causal), PRECISION=dot_precision(q.dtype),
