@@ -189,16 +189,18 @@ def test_decode_rows_stage_pads_and_leaves_the_rest_eager() -> None:
     assert graphs.stage(llm.builder.build(_spec([1] * 9, [5] * 9, block))) is None
 
 
-def test_prompt_graphs_beside_graphed_decodes() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_prompt_graphs_beside_graphed_decodes(kv_cache_dtype: str) -> None:
     # Two sequences at a time, generating 3-9 tokens each: each prompt after the first
     # two is admitted while the other request decodes, so its step has a graphed decode
     # row before the prompt's rows, which `PromptGraphs` attends (called) with the decode
-    # row in its first sequence. Only the prompt's rows may reach the output and cache.
+    # row in its first sequence. Only the prompt's rows may reach the output and cache
+    # (fp8: quantized as the eager step quantizes them).
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (3, 9, 14, 6, 11)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=1, ignore_eos=True)
               for n in (3, 9, 5, 8, 4)]
-    options = dict(OPTIONS, max_num_seqs=2)
+    options = dict(OPTIONS, max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
     expected = LLM("tiny", **options).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny", **options)
     pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
