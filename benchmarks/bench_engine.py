@@ -16,9 +16,10 @@ context parallelism over the same two ranks.
     python3 benchmarks/bench_engine.py --out engine.json
 
 `--arrivals N` also times steps that add one N-token prompt each to the decodes
-(continuous arrivals): mixed steps, eager in the eager mode; in the graph modes
-everything but attention replays piecewise graphs (`PiecewiseGraphs`), and so does the
-attention of the decode rows and of the new prompt (`DecodeRowGraphs`, `PromptGraphs`).
+(continuous arrivals): mixed steps, planned ahead in the async mode as decode steps
+are, eager in the eager mode. In the graph modes everything but attention replays
+piecewise graphs (`PiecewiseGraphs`), and so does the attention of the decode rows and
+of the new prompt (`DecodeRowGraphs`, `PromptGraphs`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 from pagedmla import LLM, SamplingParams
+from pagedmla.engine.llm import LaunchedStep
+from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.engine.sequence import Sequence
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 
@@ -75,12 +79,11 @@ def _drop_requests(llm: LLM) -> None:
     llm.scheduler.waiting.clear()
 
 
-def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    _add_requests(llm, torch.Generator().manual_seed(0), 10_000, batch, prompt_len, params)
-    events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+def _timed_launch(llm: LLM, events: dict) -> Callable[..., LaunchedStep]:
+    """`llm.launch` with CUDA events recorded around the step's enqueues, kept in
+    `events` under the launched step's id."""
 
-    def launch(scheduled, before=None):
+    def launch(scheduled: ScheduledBatch, before: LaunchedStep | None = None) -> LaunchedStep:
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         first.record()
         launched = llm.launch(scheduled, {}, before)
@@ -88,6 +91,14 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
         events[id(launched)] = (first, last)
         return launched
 
+    return launch
+
+
+def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    _add_requests(llm, torch.Generator().manual_seed(0), 10_000, batch, prompt_len, params)
+    events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+    launch = _timed_launch(llm, events)
     total, host, device = [], [], []
     torch.cuda.synchronize()
     start = done = time.perf_counter()
@@ -123,10 +134,14 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
 
 def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
                      arrival_len: int) -> dict[str, float]:
-    """Steps of `batch` decodes plus one new `arrival_len`-token prompt each (continuous
-    arrivals): never one whole-step graph (see the module docstring). Wall time per
-    step, synchronous, median after the first (which may compile kernels for the new
-    shapes)."""
+    """Steps of `batch` decodes (and one more per step) plus one new `arrival_len`-token
+    prompt each (continuous arrivals): never one whole-step graph (see the module
+    docstring). Driven as `LLM.generate` drives them: with async scheduling each step is
+    planned and enqueued while the one before runs (`Scheduler.schedule_ahead`), the
+    prompt for it added just before (where a step is not planned ahead, its prompt
+    waits for the next `schedule`). Step time: wall time between two steps'
+    completions; device span as in `time_steps`. Medians after the first two steps
+    (which may compile kernels for the new shapes)."""
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
     _add_requests(llm, gen, 20_000, batch, prompt_len, params)
@@ -135,19 +150,48 @@ def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
         seq.num_computed_tokens < seq.num_prompt_tokens for seq in llm.scheduler.running
     ):
         llm.step({}, start)
-    times = []
-    for i in range(steps + 1):
-        _add_requests(llm, gen, 30_000 + i, 1, arrival_len, params)
+    events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+    launch = _timed_launch(llm, events)
+    arrivals = iter(range(30_000, 30_000 + steps + 3))
+
+    def arrive() -> None:
+        """The next step's prompt, unless one still waits (a step not planned ahead)."""
+        if not llm.scheduler.waiting:
+            _add_requests(llm, gen, next(arrivals), 1, arrival_len, params)
+
+    times, spans, planned_ahead = [], [], []
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    launched = None
+    for _ in range(steps + 2):
+        if launched is None:
+            arrive()
+            launched = launch(llm.scheduler.schedule())
+        following = None
+        if llm.async_scheduling:
+            arrive()
+            ahead = llm.scheduler.schedule_ahead(launched.batch)
+            following = None if ahead is None else launch(ahead, launched)
+        planned_ahead.append(launched.batch.ahead)
         prefilled = llm.stats.prefill_tokens
-        torch.cuda.synchronize()
-        tick = time.perf_counter()
-        llm.step({}, start)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - tick)
+        llm.complete(launched, start)
+        previous, done = done, time.perf_counter()
         if llm.stats.prefill_tokens - prefilled != arrival_len:
             raise RuntimeError("the new prompt was not prefilled in its step (max_num_seqs?)")
+        first, last = events.pop(id(launched))
+        times.append(done - previous)
+        spans.append(first.elapsed_time(last) / 1e3)
+        launched = following
+    if launched is not None:
+        llm.complete(launched, start)
     _drop_requests(llm)
-    return {"mixed_step_ms": statistics.median(times[1:]) * 1e3, "arrival_len": arrival_len}
+    step = statistics.median(times[2:])
+    return {"mixed_step_ms": step * 1e3,
+            "mixed_span_ms": statistics.median(spans[2:]) * 1e3,
+            "mixed_idle_ms": statistics.median(t - d for t, d in zip(times[2:], spans[2:]))
+            * 1e3,
+            "mixed_ahead_share": statistics.mean(planned_ahead[2:]),
+            "arrival_len": arrival_len}
 
 
 def main() -> None:
@@ -174,7 +218,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             eager, ahead = modes[mode]
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
-                      max_num_seqs=args.batch + (args.steps + 1 if args.arrivals else 0),
+                      max_num_seqs=args.batch + (args.steps + 3 if args.arrivals else 0),
                       max_num_batched_tokens=16384,
                       enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
@@ -199,8 +243,11 @@ def main() -> None:
               f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} |")
     if args.arrivals:
         print(f"\nsteps of {args.batch} decodes + one {args.arrivals}-token prompt:")
+        print("| mode | step ms | device span ms | GPU idle ms | planned ahead |\n"
+              "|---|---:|---:|---:|---:|")
         for mode, r in results["runs"].items():
-            print(f"| {mode} | {r['mixed_step_ms']:.2f} ms |")
+            print(f"| {mode} | {r['mixed_step_ms']:.2f} | {r['mixed_span_ms']:.2f} | "
+                  f"{r['mixed_idle_ms']:.2f} | {100 * r['mixed_ahead_share']:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ generated tokens, which are compared with a reference computed without any pagin
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -54,16 +56,17 @@ class FakeModel:
         """Run a step; an ahead batch feeds the tokens `before` (the step launched just
         before it, not yet postprocessed) sampled, as the device would."""
         sampled: dict[int, tuple[int, dict[int, float]]] = {}
-        for seq, num_new, needs_sample in zip(
-            batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
+        sources = batch.sources or [-1] * len(batch.seqs)
+        for seq, num_new, needs_sample, start, source in zip(
+            batch.seqs, batch.num_new_tokens, batch.needs_sample, batch.first_positions(),
+            sources, strict=True,
         ):
-            start = seq.num_computed_tokens + batch.ahead
             for position in range(start, start + num_new):
                 slot = self.manager.slot(seq, position)
                 block = slot // self.manager.block_size
                 assert block != 0, "a token was written to the null block"
                 assert self.manager.ref_count(block) == 1, "a token was written to a shared block"
-                if batch.ahead:
+                if source >= 0:
                     assert position == seq.num_tokens and before is not None
                     self.cache[slot] = before[seq.seq_id][0]
                 else:
@@ -94,17 +97,49 @@ def check_batch(scheduler: Scheduler, batch: ScheduledBatch) -> None:
 
 
 def check_ahead(scheduler: Scheduler, launched: ScheduledBatch, batch: ScheduledBatch) -> None:
-    """An ahead batch: running decodes of `launched`, in its order, with their blocks."""
+    """An ahead batch, checked before `launched` is postprocessed: every entry starts
+    where `launched` leaves its sequence, reads `launched`'s sample exactly where it has
+    one, fits the budgets and its blocks, and decode-path entries come first."""
     assert batch.ahead and len(batch.seqs) <= scheduler.max_num_seqs
-    order = [seq.seq_id for seq in launched.seqs if seq.status is SequenceStatus.RUNNING]
-    ids = [seq.seq_id for seq in batch.seqs]
-    assert ids == [i for i in order if i in set(ids)]
-    assert batch.num_new_tokens == [1] * len(ids) and all(batch.needs_sample)
-    for seq in batch.seqs:
-        assert seq.status is SequenceStatus.RUNNING and seq.num_uncomputed == 1
-        assert seq.num_output_tokens + 1 < seq.params.max_tokens
+    assert batch.num_tokens <= scheduler.max_num_batched_tokens
+    assert len({seq.seq_id for seq in batch.seqs}) == len(batch.seqs)
+    sizes = batch.num_new_tokens
+    assert sizes == sorted(sizes, key=lambda n: n > 1), "one-token entries must come first"
+    samples = [seq for seq, s in zip(launched.seqs, launched.needs_sample, strict=True) if s]
+    pending = dict(zip([seq.seq_id for seq in launched.seqs], launched.num_new_tokens,
+                       strict=True))
+    for seq, n, needs_sample, start, source in zip(
+        batch.seqs, sizes, batch.needs_sample, batch.starts, batch.sources, strict=True
+    ):
+        assert seq.status is SequenceStatus.RUNNING
+        assert start == seq.num_computed_tokens + pending.get(seq.seq_id, 0)
+        known = seq.num_tokens
+        if seq in samples:
+            assert samples[source] is seq and n == 1 and start == known
+            assert seq.num_output_tokens + 1 < seq.params.max_tokens
+            known += 1
+        else:
+            assert source == -1 and 1 <= n <= known - start
+        assert needs_sample == (start + n == known)
         covered = len(seq.block_table) * scheduler.block_manager.block_size
-        assert covered >= seq.num_computed_tokens + 2
+        assert covered >= start + n
+
+
+def check_shortcut(scheduler: Scheduler, launched: ScheduledBatch) -> None:
+    """Where schedule_ahead's steady-state shortcut applies, the general planner plans
+    the same step with the same blocks (each on its own copy of the state)."""
+
+    def plan(method: str) -> tuple[list, ...] | None:
+        twin, twin_launched = copy.deepcopy((scheduler, launched))
+        batch = getattr(twin, method)(twin_launched)
+        if batch is None:
+            return None
+        return ([seq.seq_id for seq in batch.seqs], batch.num_new_tokens, batch.needs_sample,
+                batch.starts, batch.sources, [seq.block_table for seq in batch.seqs])
+
+    shortcut = plan("_decodes_ahead")
+    if shortcut is not None:
+        assert plan("_plan_ahead") == shortcut
 
 
 def run_to_completion(
@@ -138,6 +173,8 @@ def run_to_completion(
             check_batch(scheduler, batch)
             launched = (batch, model.step(batch))
         following = None
+        if ahead:
+            check_shortcut(scheduler, launched[0])
         if ahead and (batch := scheduler.schedule_ahead(launched[0])) is not None:
             check_ahead(scheduler, launched[0], batch)
             following = (batch, model.step(batch, launched[1]))
@@ -341,11 +378,12 @@ def test_schedule_ahead_drops_rows_of_sequences_that_stopped() -> None:
         if following is None and scheduler.has_unfinished():
             following = (batch := scheduler.schedule(), draw(batch))
         launched = following
-    # The prompts' step is synchronous; the first decode step draws everyone's 2nd token,
-    # sequence 1's last, so the ahead step after it leaves 1 out; 2 stops on that token
-    # (known late): the first ahead step computes its row for nothing, as the second does
-    # for 0 (EOS on its 3rd token). Then 3 decodes alone until its max_tokens.
-    assert ahead_sizes == [[0, 2, 3], [0, 3], [3], [3]]
+    # The prompts' step samples everyone's 1st token; the step after it is planned ahead
+    # and draws everyone's 2nd, sequence 1's last, so the next ahead step leaves 1 out;
+    # 2 stops on that token (known late): that step computes its row for nothing, as the
+    # one after it does for 0 (EOS on its 3rd token). Then 3 decodes alone until its
+    # max_tokens.
+    assert ahead_sizes == [[0, 1, 2, 3], [0, 2, 3], [0, 3], [3], [3]]
     for seq in seqs:
         script = cases[seq.seq_id][1]
         assert seq.status is SequenceStatus.FINISHED
@@ -355,22 +393,38 @@ def test_schedule_ahead_drops_rows_of_sequences_that_stopped() -> None:
     assert scheduler.block_manager.num_free_blocks == 15
 
 
-def test_schedule_ahead_declines_outside_the_decode_steady_state() -> None:
-    scheduler = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=2)
-    scheduler.add(Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True)))
-    prefill = scheduler.schedule()
-    assert scheduler.schedule_ahead(prefill) is None  # a prefill step: its tokens are many
-    scheduler.postprocess(prefill, {0: (4, {})})
-    decode = scheduler.schedule()
-    scheduler.add(Sequence(1, [1, 2], SamplingParams(max_tokens=2)))
-    assert scheduler.schedule_ahead(decode) is None  # a waiting sequence could join
-    scheduler.waiting.clear()
-    # Position 6 starts a 4th block; 7 blocks are usable, 3 held: take all others.
-    hoard = Sequence(2, [1] * 8, SamplingParams())
-    scheduler.block_manager.append_slots(hoard, 8)
-    assert scheduler.schedule_ahead(decode) is None  # no free block for position 6
+def test_schedule_ahead_plans_prompts_and_declines_only_where_schedule_would_preempt() -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=2, max_num_seqs=2,
+                               max_num_batched_tokens=4)
+    scheduler.add(Sequence(0, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True)))
+    first = scheduler.schedule()
+    assert first.num_new_tokens == [4] and first.needs_sample == [False]
+    # The chunk after a chunk: host tokens at positions 4..5, sampled at the prompt's end.
+    second = scheduler.schedule_ahead(first)
+    assert (second.num_new_tokens, second.starts, second.sources) == ([2], [4], [-1])
+    assert second.needs_sample == [True]
+    scheduler.postprocess(first, {})
+    # The decode after it reads the sample of `second` (row 0) at position 6; a waiting
+    # sequence joins with the budget's remaining 3 tokens.
+    scheduler.add(Sequence(1, [7, 8, 9, 10, 11], SamplingParams(max_tokens=2)))
+    third = scheduler.schedule_ahead(second)
+    assert [seq.seq_id for seq in third.seqs] == [0, 1]
+    assert (third.num_new_tokens, third.starts, third.sources) == ([1, 3], [6, 0], [0, -1])
+    assert third.needs_sample == [True, False]
+    scheduler.postprocess(second, {0: (4, {})})
+    scheduler.postprocess(third, {0: (5, {})})
+    fourth = scheduler.schedule()  # 0 decodes position 7, 1 finishes its prompt (3..4)
+    assert fourth.num_new_tokens == [1, 2]
+    # The step after it has 0 decode position 8, which starts a 5th block: with every
+    # free block taken, schedule() would preempt, so schedule_ahead leaves it to it.
+    hoard = Sequence(2, [1] * 16, SamplingParams())
+    free = scheduler.block_manager.num_free_blocks
+    assert free == 2  # of 9 usable: 4 for sequence 0, 3 for sequence 1
+    scheduler.block_manager.append_slots(hoard, 2 * free)
+    assert scheduler.schedule_ahead(fourth) is None
+    assert scheduler.block_manager.num_free_blocks == 0  # nothing taken, nothing lost
     scheduler.block_manager.free(hoard)
-    assert scheduler.schedule_ahead(decode) is not None
+    assert scheduler.schedule_ahead(fourth) is not None
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])

@@ -52,12 +52,9 @@ class DriverRunner(ModelRunner):
         super().__init__(*args)
         self.runtime = runtime
 
-    def run(
-        self, batch: ScheduledBatch, device_token_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if batch.ahead and device_token_ids is None:
-            raise ValueError("an ahead batch takes its token ids from device_token_ids")
+    def run(self, batch: ScheduledBatch, drawn: torch.Tensor | None = None) -> torch.Tensor:
         token_ids, positions, spec = self.prepare(batch)
+        device_token_ids = self.device_token_ids(batch, token_ids, drawn)
         step = StepInputs(token_ids, positions, spec, self.sample_rows(batch),
                           device_tokens=device_token_ids is not None)
         with self.runtime.watching_workers():

@@ -131,13 +131,18 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
+    def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks that ``append_slots(seq, num_new_tokens)`` would take."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``append_slots(seq, num_new_tokens)`` would find enough blocks."""
-        return self._num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
+        return self.num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow ``seq.block_table`` to cover ``num_computed_tokens + num_new_tokens`` tokens."""
-        missing = self._num_missing_blocks(seq, num_new_tokens)
+        missing = self.num_missing_blocks(seq, num_new_tokens)
         if missing > self.num_free_blocks:
             raise RuntimeError(
                 f"out of cache blocks: {seq!r} needs {missing} more for {num_new_tokens} new "
@@ -228,10 +233,6 @@ class BlockManager:
         lens[:old_rows] = self._table_lens
         self._tables, self._table_lens = tables, lens
         self._spare_rows.extend(range(num_rows - 1, old_rows - 1, -1))
-
-    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table))
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
         start = index * self.block_size

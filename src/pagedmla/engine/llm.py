@@ -67,11 +67,12 @@ class LLM:
     parallelism); enforce_eager turns all of them off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
-    async_scheduling plans and enqueues each steady-state decode step while the device
-    still runs the one before (`Scheduler.schedule_ahead`), its token ids read on the
-    device from that step's samples (under tensor parallelism rank 0 broadcasts them to
-    the other ranks), so the host's scheduling, input preparation and bookkeeping
-    overlap the device instead of adding to every step.
+    async_scheduling plans and enqueues each step while the device still runs the one
+    before (`Scheduler.schedule_ahead`): decodes, prefill chunks and newly admitted
+    prompts alike. The tokens that step samples are read on the device (under tensor
+    parallelism rank 0 broadcasts them to the other ranks), so the host's scheduling,
+    input preparation and bookkeeping overlap the device instead of adding to every
+    step. A step that would preempt is scheduled after the one before it completes.
     """
 
     def __init__(
@@ -325,26 +326,15 @@ class LLM:
     ) -> LaunchedStep:
         """Enqueue a step's forward and sampling without waiting for the device.
 
-        An ``ahead`` batch reads its token ids from ``before``'s samples on the device.
+        An ``ahead`` batch reads the tokens that ``before`` samples on the device.
         """
         tick = time.perf_counter()
-        device_token_ids = None
+        samples_before = None
         if batch.ahead:
-            if before is None or before.drawn is None:
-                raise ValueError("an ahead batch needs the launched step that samples its tokens")
-            row_of = {seq.seq_id: row for row, seq in enumerate(before.sampled)}
-            rows = [row_of[seq.seq_id] for seq in batch.seqs]
-            device_token_ids = before.drawn.token_ids
-            if rows != list(range(len(rows))):
-                # Pinned, so that the copy does not wait for the step still running.
-                index = torch.tensor(rows, dtype=torch.int64,
-                                     pin_memory=self.device.type == "cuda")
-                device_token_ids = device_token_ids.index_select(
-                    0, index.to(self.device, non_blocking=True)
-                )
-            else:
-                device_token_ids = device_token_ids[: len(rows)]
-        logits = self.runner.run(batch, device_token_ids)
+            if before is None:
+                raise ValueError("an ahead batch needs the launched step before it")
+            samples_before = None if before.drawn is None else before.drawn.token_ids
+        logits = self.runner.run(batch, samples_before)
         sampled = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
         drawn = None
         if sampled:

@@ -45,30 +45,29 @@ class ModelRunner:
         Runs every step for every sequence, so the only per-sequence Python is reading
         its counters and token ids; the block table comes from the block manager's
         int32 mirror and positions and slots are computed with numpy over all T tokens.
-        An ``ahead`` batch's token ids are not known yet: they are 0 here and come from
-        the device (``execute``'s ``device_token_ids``).
+        The token that an ``ahead`` batch's entry reads from the step before's samples
+        (``sources``) is not known yet: it is 0 here and comes from the device
+        (``device_token_ids``).
         """
         seqs = batch.seqs
         num_new = batch.num_new_tokens
-        starts = [seq.num_computed_tokens + batch.ahead for seq in seqs]
+        starts = batch.first_positions()
         num_seqs = len(seqs)
         if len(num_new) != num_seqs:
             raise ValueError(f"{num_seqs} sequences but {len(num_new)} num_new_tokens")
+        sources = batch.sources or [-1] * num_seqs
         # Block 0 is the null block: padding entries point at it and are never read.
         table = self.block_manager.block_tables(seqs)
         num_tokens = sum(num_new)
         if num_tokens == num_seqs:  # one token each (decodes): no ranges to expand
-            token_ids = (
-                [0] * num_seqs
-                if batch.ahead
-                else [seq.token_ids[start] for seq, start in zip(seqs, starts)]
-            )
+            token_ids = [0 if source >= 0 else seq.token_ids[start]
+                         for seq, start, source in zip(seqs, starts, sources)]
             positions = np.array(starts, dtype=np.int64)
             token_rows = np.arange(num_seqs)
         else:
             token_ids = []
-            for seq, start, n in zip(seqs, starts, num_new):
-                token_ids += seq.token_ids[start : start + n]
+            for seq, start, n, source in zip(seqs, starts, num_new, sources):
+                token_ids += [0] if source >= 0 else seq.token_ids[start : start + n]
             counts = np.array(num_new, dtype=np.int64)
             token_rows = np.repeat(np.arange(num_seqs), counts)
             # Entry b's tokens sit at batch offsets first[b] .. and positions starts[b] ..
@@ -95,17 +94,41 @@ class ModelRunner:
         ends = itertools.accumulate(batch.num_new_tokens)
         return [end - 1 for end, needs in zip(ends, batch.needs_sample, strict=True) if needs]
 
-    def run(
-        self, batch: ScheduledBatch, device_token_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, drawn: torch.Tensor | None = None) -> torch.Tensor:
         """Forward one step; returns logits [S, vocab] float32 for the S sequences to
-        sample. device_token_ids [T] (on the device) replaces the host token ids: an
-        ``ahead`` batch needs it."""
-        if batch.ahead and device_token_ids is None:
-            raise ValueError("an ahead batch takes its token ids from device_token_ids")
+        sample. drawn [S'] int64 on the device: the samples of the step before, which an
+        ``ahead`` batch's ``sources`` index."""
         token_ids, positions, spec = self.prepare(batch)
         return self.execute(token_ids, positions, spec, self.sample_rows(batch),
-                            device_token_ids)
+                            self.device_token_ids(batch, token_ids, drawn))
+
+    def device_token_ids(
+        self, batch: ScheduledBatch, token_ids: torch.Tensor, drawn: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The step's token ids [T] on the device when some are there only: the host's
+        token_ids [T] (``prepare``'s) with each ``sources`` row taken from drawn [S'] (the
+        samples of the step before). None when the host knows them all."""
+        sources = batch.sources
+        if sources is None or max(sources) < 0:
+            return None
+        if drawn is None:
+            raise ValueError("an ahead batch reading the step before's samples needs drawn")
+        pinned = self.device.type == "cuda"
+
+        def upload(values: list[int]) -> torch.Tensor:
+            # Pinned, so that the copy does not wait for the step still running.
+            host = torch.tensor(values, dtype=torch.int64, pin_memory=pinned)
+            return host.to(self.device, non_blocking=True)
+
+        if len(sources) == token_ids.shape[0] and min(sources) >= 0:  # every row a sample
+            if sources == list(range(len(sources))):
+                return drawn[: len(sources)]
+            return drawn.index_select(0, upload(sources))
+        offsets = itertools.accumulate(batch.num_new_tokens, initial=0)
+        rows = [row for row, source in zip(offsets, sources) if source >= 0]
+        index = upload(rows + [source for source in sources if source >= 0])
+        ids = (token_ids.pin_memory() if pinned else token_ids).to(self.device, non_blocking=True)
+        return ids.index_copy_(0, index[: len(rows)], drawn.index_select(0, index[len(rows) :]))
 
     @torch.inference_mode()
     def execute(
@@ -129,12 +152,8 @@ class ModelRunner:
                               device_token_ids)
         meta = self.builder.build(spec)
         pieces = self.pieces
-        if (
-            pieces is not None
-            and device_token_ids is None
-            and token_ids.shape[0] <= pieces.max_tokens
-        ):
-            return pieces.run(token_ids, positions, meta, sample_rows)
+        if pieces is not None and token_ids.shape[0] <= pieces.max_tokens:
+            return pieces.run(token_ids, positions, meta, sample_rows, device_token_ids)
         if device_token_ids is None:
             device_token_ids = token_ids.to(self.device, non_blocking=True)
         hidden = self.model(

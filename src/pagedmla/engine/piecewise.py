@@ -183,9 +183,12 @@ class PiecewiseGraphs:
         positions: torch.Tensor,
         meta: MLAMetadata,
         sample_rows: list[int],
+        device_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A step of T <= max_tokens tokens: host token_ids [T] and positions [T] int64,
-        the step's metadata; returns the logits of sample_rows [S, vocab] float32."""
+        the step's metadata; returns the logits of sample_rows [S, vocab] float32.
+        device_token_ids [T] int64 on the device, when given, is fed instead of
+        token_ids."""
         num_tokens = token_ids.shape[0]
         if num_tokens > self.max_tokens:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket ({self.max_tokens})")
@@ -198,6 +201,8 @@ class PiecewiseGraphs:
         self._inputs.copy_(self._host_inputs, non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
+        if device_token_ids is not None:
+            self.input_ids[:num_tokens].copy_(device_token_ids)
         self._replay(0, rows)
         layers = self.decoder.layers
         real = slice(0, num_tokens)

@@ -33,20 +33,37 @@ class ScheduledBatch:
     (``c + n == num_tokens``): only then do the logits of the chunk's last token predict
     a new token. A prefill chunk that stops inside the known tokens samples nothing.
 
-    ``ahead`` marks a step that ``Scheduler.schedule_ahead`` planned while the step
-    before it still ran: every entry then feeds the token that step samples, not yet
-    known on the host, at position ``c + 1`` (seq_len ``c + 2``).
+    ``starts`` and ``sources`` are set on a step that ``Scheduler.schedule_ahead``
+    planned while the step before it (``launched``) still ran, before ``postprocess``
+    accounted for it. ``starts[i]`` is then entry ``i``'s first position ``c'``: ``c``
+    plus its sequence's tokens in ``launched``. ``sources[i]`` is the row of
+    ``launched``'s samples (its ``needs_sample`` entries, in order) holding the entry's
+    one token, which the host does not know yet, or -1 where the host knows the tokens.
+    ``needs_sample`` then means ``c' + n`` reaches the last token, counting the one
+    ``launched`` samples.
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     needs_sample: list[bool]
-    ahead: bool = False
+    starts: list[int] | None = None
+    sources: list[int] | None = None
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the step was planned before the step before it was accounted for."""
+        return self.starts is not None
 
     @property
     def num_tokens(self) -> int:
         """Tokens fed to the model in this step (T)."""
         return sum(self.num_new_tokens)
+
+    def first_positions(self) -> list[int]:
+        """Each entry's first position: ``starts``, or each sequence's computed tokens."""
+        if self.starts is not None:
+            return self.starts
+        return [seq.num_computed_tokens for seq in self.seqs]
 
 
 @dataclass
@@ -161,15 +178,26 @@ class Scheduler:
                 f"scheduler made no progress: {len(self.waiting)} waiting, "
                 f"{len(self.running)} running, {self.block_manager.num_free_blocks} free blocks"
             )
-        # Stable partition, decode path first: a one-token prefill chunk or a short one
-        # routed to the MQA path moves up with the decodes.
-        mqa = [self.uses_mqa(n, seq.num_computed_tokens) for seq, n in plan.entries.values()]
-        entries = [e for e, m in zip(plan.entries.values(), mqa) if m]
-        entries += [e for e, m in zip(plan.entries.values(), mqa) if not m]
+        return self._batch(
+            [(seq, n, seq.num_computed_tokens, -1) for seq, n in plan.entries.values()]
+        )
+
+    def _batch(self, entries: list[tuple[Sequence, int, int, int]],
+               ahead: bool = False) -> ScheduledBatch:
+        """The step of ``entries``, each (sequence, tokens, first position, source; see
+        ScheduledBatch), reordered decode path first."""
+        # Stable partition: a one-token prefill chunk or a short one routed to the MQA
+        # path moves up with the decodes.
+        mqa = [self.uses_mqa(n, start) for _, n, start, _ in entries]
+        entries = [e for e, m in zip(entries, mqa) if m] + [
+            e for e, m in zip(entries, mqa) if not m]
         return ScheduledBatch(
-            seqs=[seq for seq, _ in entries],
-            num_new_tokens=[num_new for _, num_new in entries],
-            needs_sample=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in entries],
+            seqs=[seq for seq, *_ in entries],
+            num_new_tokens=[n for _, n, *_ in entries],
+            needs_sample=[start + n == seq.num_tokens + (source >= 0)
+                          for seq, n, start, source in entries],
+            starts=[start for *_, start, _ in entries] if ahead else None,
+            sources=[source for *_, source in entries] if ahead else None,
         )
 
     def _schedule_decodes(self) -> ScheduledBatch | None:
@@ -216,39 +244,99 @@ class Scheduler:
         return True
 
     def schedule_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after ``launched``, before its sampled tokens are known; or None.
+        """The step after ``launched``, planned before its sampled tokens are known; or None.
 
-        Lets the host plan and enqueue step n+1 while the device runs step n. Applies
-        only where the synchronous path would schedule a plain decode step: ``launched``
-        (whose predecessors are all postprocessed) holds every running sequence, each
-        decoding one token, besides rows of sequences that finished in the step before
-        it; no waiting sequence could be admitted; and the free blocks
-        cover every sequence whose next token starts a block, so nothing is preempted.
-        Sequences that reach max_tokens with ``launched``'s token are left out; one that
-        stops on EOS or a stop token is only known later, so its row is computed and then
-        dropped by ``postprocess``. Call ``postprocess(launched)`` before ``postprocess``
-        of the returned step.
+        Lets the host plan and enqueue step n+1 while the device runs step n. Every step
+        before ``launched`` must be postprocessed; call ``postprocess(launched)`` before
+        ``postprocess`` of the returned step. The step packs what ``schedule`` would
+        once ``launched`` is accounted for, as far as the host knows it now:
+        - a sequence that samples in ``launched`` decodes that token next, read on the
+          device (``sources``). One whose token from ``launched`` is its last (max_tokens)
+          is left out. One that stops on it (EOS, a stop token) is only known later: its
+          row is computed, and dropped by ``postprocess``;
+        - a prefill chunk continues after its chunk in ``launched``, and waiting sequences
+          are admitted as ``schedule`` admits them;
+        - nothing is preempted: None when the free blocks do not cover the running
+          sequences' next tokens, and the caller then schedules synchronously.
         """
-        running = self.running
-        live = [seq for seq in launched.seqs if seq.status is not SequenceStatus.FINISHED]
-        if (
-            len(live) != len(running)
-            or any(n != 1 for n in launched.num_new_tokens)
-            or not all(launched.needs_sample)
-        ):
+        return self._decodes_ahead(launched) or self._plan_ahead(launched)
+
+    def _decodes_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
+        """``schedule_ahead``'s steady state in one pass, or None where it does not apply.
+
+        Applies when ``launched`` holds every running sequence, each decoding one token
+        over a non-empty context, besides rows of sequences that finished in the step
+        before it; no waiting sequence could be admitted; and the free blocks cover every
+        sequence whose next token starts a block. ``_plan_ahead`` would plan the same.
+        """
+        if any(n != 1 for n in launched.num_new_tokens) or not all(launched.needs_sample):
             return None
+        running = iter(self.running)
         seqs: list[Sequence] = []
-        for seq, same in zip(live, running, strict=True):
-            if seq is not same or seq.num_computed_tokens == 0:
+        sources: list[int] = []
+        for row, seq in enumerate(launched.seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            if seq is not next(running, None) or seq.num_computed_tokens == 0:
                 return None
             if seq.num_output_tokens + 1 < seq.params.max_tokens:  # else launched's is last
                 seqs.append(seq)
+                sources.append(row)
         # This step writes position c + 1, one past launched's c.
-        if not seqs or self._could_admit(len(seqs)) or not self._reserve_next_position(
-            seqs, ahead=1
+        if (
+            next(running, None) is not None
+            or not seqs
+            or self._could_admit(len(seqs))
+            or not self._reserve_next_position(seqs, ahead=1)
         ):
             return None
-        return ScheduledBatch(seqs, [1] * len(seqs), [True] * len(seqs), ahead=True)
+        num_seqs = len(seqs)
+        return ScheduledBatch(seqs, [1] * num_seqs, [True] * num_seqs,
+                              starts=[seq.num_computed_tokens + 1 for seq in seqs],
+                              sources=sources)
+
+    def _plan_ahead(self, launched: ScheduledBatch) -> ScheduledBatch | None:
+        """``schedule_ahead`` in general: ``schedule``'s packing over the counts that
+        ``launched`` leaves, without preemption."""
+        in_flight: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens in launched, source)
+        row = 0
+        for seq, n, sample in zip(launched.seqs, launched.num_new_tokens, launched.needs_sample,
+                                  strict=True):
+            in_flight[seq.seq_id] = (n, row if sample else -1)
+            row += sample
+        decodes, prefills = [], []
+        for seq in self.running:
+            pending, source = in_flight.get(seq.seq_id, (0, -1))
+            if source >= 0 and seq.num_output_tokens + 1 >= seq.params.max_tokens:
+                continue  # launched's token is its last
+            start = seq.num_computed_tokens + pending
+            uncomputed = seq.num_tokens + (source >= 0) - start
+            (decodes if uncomputed == 1 else prefills).append((seq, start, uncomputed, source))
+        plan = _StepPlan(self.max_num_seqs, self.max_num_batched_tokens)
+        placed: dict[int, tuple[int, int]] = {}  # seq_id -> (start, source)
+        missing = 0
+        for seq, start, uncomputed, source in decodes + prefills:
+            if not plan.has_room():
+                break
+            num_new = min(uncomputed, plan.tokens_left)
+            # Blocks up to start + num_new, counted from num_computed_tokens.
+            missing += self.block_manager.num_missing_blocks(
+                seq, start - seq.num_computed_tokens + num_new)
+            plan.add(seq, num_new)
+            placed[seq.seq_id] = (start, source)
+        if missing > self.block_manager.num_free_blocks:
+            return None  # schedule would preempt
+        for seq, num_new in plan.entries.values():
+            self.block_manager.append_slots(
+                seq, placed[seq.seq_id][0] - seq.num_computed_tokens + num_new)
+        self._admit(plan)
+        if not plan.entries:
+            return None
+        return self._batch(
+            [(seq, n, *placed.get(seq.seq_id, (seq.num_computed_tokens, -1)))
+             for seq, n in plan.entries.values()],
+            ahead=True,
+        )
 
     def postprocess(
         self, batch: ScheduledBatch, sampled: dict[int, tuple[int, dict[int, float]]]
@@ -262,12 +350,18 @@ class Scheduler:
         finished: list[Sequence] = []
         manager = self.block_manager
         block_size = manager.block_size
-        for seq, num_new, needs_sample in zip(
-            batch.seqs, batch.num_new_tokens, batch.needs_sample, strict=True
+        for seq, num_new, needs_sample, start in zip(
+            batch.seqs, batch.num_new_tokens, batch.needs_sample, batch.first_positions(),
+            strict=True,
         ):
             if batch.ahead and seq.status is SequenceStatus.FINISHED:
                 continue  # stopped in the step before: this row was computed for nothing
-            computed = seq.num_computed_tokens + num_new
+            if seq.num_computed_tokens != start:
+                raise RuntimeError(
+                    f"{seq!r} was planned from position {start}: postprocess the step "
+                    "before this one first"
+                )
+            computed = start + num_new
             seq.num_computed_tokens = computed
             # commit registers the blocks filled since its last call, which follows every
             # step: a one-token step that does not end on a block boundary has none.
