@@ -86,7 +86,8 @@ def _count_decode_row_steps(llm: LLM) -> list[int]:
 
 
 def _count_prompt_steps(llm: LLM) -> list[int]:
-    """A counter of the steps whose prompts replay `PromptGraphs`."""
+    """A counter of the steps that replay one graph of the whole step (prompts taken
+    by `PromptRows`)."""
     pieces = llm.runner.pieces
     return _count_calls(pieces and pieces.prompt_rows, "stage")
 
@@ -100,7 +101,7 @@ def test_engine_graphs_match_eager() -> None:
     steps gather their token ids from the device, and one sequence stops on a token.
     A budget of 48 tokens a step cuts the longer prompts into chunks that share steps
     with decodes, whose rows then replay `DecodeRowGraphs`; the first step's prompts,
-    without context, replay `PromptGraphs`."""
+    without context, replay graphs of the whole step."""
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=13 + i, logprobs=1, ignore_eos=True)
               for i in range(12)]

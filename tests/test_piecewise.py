@@ -14,7 +14,7 @@ import torch
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine.decode_rows import decode_row_sizes
 from pagedmla.engine.piecewise import MAX_TOKENS, PiecewiseGraphs, token_buckets
-from pagedmla.engine.prompt_rows import PromptGraphs
+from pagedmla.engine.prompt_rows import PromptRows
 from pagedmla.metadata import BatchSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=7, logprobs=1, ignore_eos=True)
@@ -46,6 +46,19 @@ def _assert_same_generations(expected: list, outputs: list) -> None:
             assert abs(a[token] - b[token]) <= 1e-4
 
 
+def _record_whole_steps(pieces: PiecewiseGraphs) -> list[int]:
+    """A list that records the decode rows' size of each whole step `pieces` runs."""
+    sizes: list[int] = []
+    body = pieces._step
+
+    def recorded(rows, size, decode_meta):
+        sizes.append(size)
+        return body(rows, size, decode_meta)
+
+    pieces._step = recorded
+    return sizes
+
+
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, 259, (24,), generator=gen).tolist()
@@ -68,10 +81,10 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
     with buckets [16] the larger ones fall back to whole eager steps. With decode_sizes
     the decode rows of mixed steps attend through `DecodeRowGraphs`' static buffers,
     padded up to a size (called, not replayed, on the CPU), and steps with more decode
-    rows than the largest size keep the eager path. With prompt_graphs, steps whose other rows
-    are prompts without context attend through `PromptGraphs`' (called too); chunks
-    after a prompt's first, and prompts on a cached prefix, have context and stay
-    eager."""
+    rows than the largest size keep the eager path. With prompt_graphs, steps whose
+    other rows are prompts without context run as one graph of the whole step (its body
+    called), their attention through `PromptRows`' buffers; chunks after a prompt's
+    first, and prompts on a cached prefix, have context and stay eager."""
     prompts = _prompts()
     reference = LLM("tiny", **OPTIONS)
     expected = [reference.generate(prompts, GREEDY, use_tqdm=False) for _ in range(2)]
@@ -100,9 +113,9 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
             return taken
 
         pieces.decode_rows.stage = counted_stage
-    prompt_steps: list[bool] = []  # per step with prompts: staged into PromptGraphs
+    prompt_steps: list[bool] = []  # per step with prompts: staged into PromptRows
     if prompt_graphs:
-        pieces.capture_prompt_rows()
+        pieces.capture_steps()
         stage_prompts = pieces.prompt_rows.stage
 
         def counted_prompts(meta, first, rows):
@@ -112,6 +125,7 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
             return taken
 
         pieces.prompt_rows.stage = counted_prompts
+        step_sizes = _record_whole_steps(pieces)
     sizes: list[int] = []
     run = pieces.run
 
@@ -141,6 +155,7 @@ def test_pieces_match_whole_steps(buckets: list[int], decode_sizes: list[int] | 
         assert any(lead > decode_sizes[-1] for _, lead, _ in staged) == (decode_sizes[-1] == 2)
     if prompt_graphs:
         assert any(prompt_steps) and not all(prompt_steps)
+        assert len(step_sizes) == sum(prompt_steps)  # each such step ran whole
     for ref_set, out_set in zip(expected, outputs, strict=True):
         _assert_same_generations(ref_set, out_set)
 
@@ -197,7 +212,7 @@ def test_decode_rows_stage_pads_and_leaves_the_rest_eager() -> None:
 def test_prompt_graphs_beside_graphed_decodes(kv_cache_dtype: str) -> None:
     # Two sequences at a time, generating 3-9 tokens each: each prompt after the first
     # two is admitted while the other request decodes, so its step has a graphed decode
-    # row before the prompt's rows, which `PromptGraphs` attends (called) with the decode
+    # row before the prompt's rows, which `PromptRows` attends (called) with the decode
     # row in its first sequence. Only the prompt's rows may reach the output and cache
     # (fp8: quantized as the eager step quantizes them).
     gen = torch.Generator().manual_seed(1)
@@ -211,7 +226,7 @@ def test_prompt_graphs_beside_graphed_decodes(kv_cache_dtype: str) -> None:
     llm.runner.pieces = pieces
     pieces.capture_decode_rows([1, 2], -(-llm.max_model_len // OPTIONS["block_size"]),
                                llm.max_model_len)
-    pieces.capture_prompt_rows()
+    pieces.capture_steps()
     stage = pieces.prompt_rows.stage
     firsts: list[int] = []  # rows before the prompts, in each step staged
 
@@ -222,8 +237,10 @@ def test_prompt_graphs_beside_graphed_decodes(kv_cache_dtype: str) -> None:
         return taken
 
     pieces.prompt_rows.stage = counted
+    step_sizes = _record_whole_steps(pieces)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert firsts == [0, 1, 1, 1]  # the first two together, then one beside a decode
+    assert step_sizes == [0, 1, 1, 1]  # each ran as one whole step, with its decode row
     _assert_same_generations(expected, outputs)
 
 
@@ -236,13 +253,13 @@ def test_prompt_rows_stage_cuts_the_rows_into_sequences() -> None:
     pieces = PiecewiseGraphs(llm.model, llm.caches, token_buckets(40))
     block = OPTIONS["block_size"]
     pieces.capture_decode_rows([1, 8], max_blocks_per_seq=8, max_model_len=64)
-    pieces.capture_prompt_rows()
+    pieces.capture_steps()
     graphs = pieces.prompt_rows
     assert graphs.stage(llm.builder.build(_spec([16], [16], block)), 0, 16)
     spec = _spec([1, 1, 5, 3], [9, 20, 5, 3], block)
     meta = llm.builder.build(spec).for_forward()
     first, rest = pieces.decode_rows.stage(meta)
-    assert first == 2 and graphs.stage(rest, first, 16) and graphs.rows == 16
+    assert first == 2 and graphs.stage(rest, first, 16)
     assert graphs.cu_seqlens.tolist() == [0, 2, 7, 10, 10, 10, 10, 10, 10, 10, 16]
     slots = spec.slot_mapping.tolist()
     assert graphs.slot_mapping[:16].tolist() == [-1, -1, *slots[2:], *[-1] * 6]
@@ -251,8 +268,8 @@ def test_prompt_rows_stage_cuts_the_rows_into_sequences() -> None:
     # than the graphs hold.
     assert not graphs.stage(meta, 0, 16)
     assert not graphs.stage(llm.builder.build(_spec([4], [12], block)), 0, 16)
-    one = PromptGraphs(pieces.decoder.layers, pieces.caches,
-                       (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [16, 32],
-                       max_prompts=1)
+    one = PromptRows(pieces.decoder.layers, pieces.caches,
+                     (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [16, 32],
+                     max_prompts=1)
     assert not one.stage(rest, first, 16)
     assert one.stage(llm.builder.build(_spec([5], [5], block)), 0, 16)

@@ -78,7 +78,8 @@ class DecodeRowGraphs:
         if cache.device.type == "cuda":
             self._capture()
 
-    def _attend(self, i: int, rows: int, meta: MLAMetadata) -> None:
+    def attend(self, i: int, rows: int, meta: MLAMetadata) -> None:
+        """Layer i's decode attention over the first `rows` rows (meta: this size's)."""
         self.layers[i].self_attn.attn(self.q[:rows], self.kv_c[:rows], self.k_pe[:rows],
                                       self.caches[i], meta, out=self.out[:rows])
 
@@ -87,13 +88,13 @@ class DecodeRowGraphs:
         pool = None
         for rows in reversed(self.sizes):  # largest first: the others reuse its memory
             for i in range(len(self.layers)):  # warm-up: compiles this size's kernels
-                self._attend(i, rows, self.metadata[rows].for_forward())
+                self.attend(i, rows, self.metadata[rows].for_forward())
             torch.cuda.synchronize()
             # One forward's metadata for all layers: layer 0's graph makes the split plan
             # (from each replay's seq_lens), the others read it; it must outlive them.
             meta = self._captured[rows] = self.metadata[rows].for_forward()
             self.graphs[rows], pool = capture_each(
-                len(self.layers), lambda i, rows=rows, meta=meta: self._attend(i, rows, meta),
+                len(self.layers), lambda i, rows=rows, meta=meta: self.attend(i, rows, meta),
                 pool)
         torch.cuda.synchronize()
 
@@ -155,7 +156,7 @@ class DecodeRowGraphs:
         if self.graphs:
             self.graphs[self.rows][i].replay()
         else:  # CPU: the same buffers and padding, called
-            self._attend(i, self.rows, self.metadata[self.rows])
+            self.attend(i, self.rows, self.metadata[self.rows])
 
     def release(self) -> None:
         """Free the captured graphs."""

@@ -63,8 +63,9 @@ class LLM:
     captured at start-up for a ladder of batch sizes, and other steps of up to 2048
     tokens replay graphs of everything but attention (`PiecewiseGraphs`), with
     attention run eagerly between them, but for single-token decode rows' attention,
-    which replays graphs of its own (`DecodeRowGraphs`; not under decode context
-    parallelism); enforce_eager turns all of them off.
+    which replays graphs of its own (`DecodeRowGraphs`), and steps whose other rows are
+    prompts without context, which replay one graph each (`PiecewiseGraphs.capture_steps`;
+    neither under decode context parallelism); enforce_eager turns all of them off.
     route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     async_scheduling plans and enqueues each step while the device still runs the one
@@ -170,7 +171,7 @@ class LLM:
             if self.builder.decode_hook is None:
                 pieces.capture_decode_rows(decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
                                            max_blocks, self.max_model_len)
-                pieces.capture_prompt_rows()
+                pieces.capture_steps()
             self.runner.pieces = pieces
             if self.parallel is not None:
                 # Not methods of self: the runtime's finalizer must not keep the LLM alive.

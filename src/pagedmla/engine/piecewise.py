@@ -1,16 +1,22 @@
-"""CUDA graphs for steps that are not plain decodes: everything but attention.
+"""CUDA graphs for steps that are not plain decodes.
 
-A step with prompts in it (alone, or mixed with decodes) cannot be captured whole: its
-attention metadata (which requests take which path, context chunks) changes from step
-to step. The rest of a layer depends only on the number of tokens T. So the model runs
-in pieces split at attention: piece 0 embeds the tokens and projects layer 0 (q, the
-normalised latent, k_pe); piece i (1..n-1) finishes layer i-1 (o_proj, the residual add
-with the norm, the MLP or experts) and projects layer i; piece n finishes the last
-layer and applies the final norm. Each piece is captured once per token bucket (T padded
-up to a power of two), and attention runs eagerly between the replays on the step's
-real rows. A step of 27 layers then launches 28 graphs and the attention kernels instead
-of ~470 kernels, one at a time from Python. The decode rows' attention and the prompts'
-can replay graphs of their own (`engine/decode_rows.py`, `engine/prompt_rows.py`).
+A step with prompts in it (alone, or mixed with decodes) cannot in general be captured
+whole: its attention metadata (which requests take which path, context chunks) changes
+from step to step. The rest of a layer depends only on the number of tokens T. So the
+model runs in pieces split at attention: piece 0 embeds the tokens and projects layer 0
+(q, the normalised latent, k_pe); piece i (1..n-1) finishes layer i-1 (o_proj, the
+residual add with the norm, the MLP or experts) and projects layer i; piece n finishes
+the last layer and applies the final norm. Each piece is captured once per token bucket
+(T padded up to a power of two), and attention runs eagerly between the replays on the
+step's real rows. A step of 27 layers then launches 28 graphs and the attention kernels
+instead of ~470 kernels, one at a time from Python. The single-token decode rows'
+attention replays graphs of its own, per layer (`engine/decode_rows.py`).
+
+A step whose other rows are all prompts without cached context (`engine/prompt_rows.py`)
+is graph-safe whole: it replays one graph captured for its bucket and decode-row size
+(`capture_steps`) instead of up to three per layer, each launch of which costs the GPU
+15-25 µs. On an H200 a step of 128 decodes and a 256-token prompt (27 layers) takes
+5.97-6.00 ms so, against 7.72-7.74 with 82 graphs (docs/PERFORMANCE.md, "Session 33").
 
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
@@ -33,7 +39,7 @@ import torch
 from pagedmla.cache import LatentKVCache
 from pagedmla.engine.cuda_graph import capture_each, reset_all
 from pagedmla.engine.decode_rows import DecodeRowGraphs
-from pagedmla.engine.prompt_rows import PromptGraphs
+from pagedmla.engine.prompt_rows import PromptRows
 from pagedmla.metadata import MLAMetadata
 
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
@@ -97,8 +103,14 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         # Graphs of the decode rows' attention (`capture_decode_rows`; None: all eager).
         self.decode_rows: DecodeRowGraphs | None = None
-        # Graphs of the prompts' attention (`capture_prompt_rows`; None: all eager).
-        self.prompt_rows: PromptGraphs | None = None
+        # The prompts' attention in whole-step graphs (`capture_steps`; None: eager).
+        self.prompt_rows: PromptRows | None = None
+        # Whole-step graphs of steps with prompts that `prompt_rows` takes, by (bucket,
+        # decode rows' size) (`capture_steps`; None: off; empty on the CPU, where their
+        # body is called instead).
+        self.steps: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = None
+        self._step_metadata: dict[tuple[int, int], MLAMetadata] = {}  # what they read
+        self._pool: tuple | None = None  # the captures' memory pool
         if device.type == "cuda":
             self._capture()
 
@@ -116,14 +128,51 @@ class PiecewiseGraphs:
             sizes, max_blocks_per_seq, max_model_len,
         )
 
-    def capture_prompt_rows(self) -> None:
-        """Let steps whose rows after the graphed decode rows are all prompts without
-        context replay graphs of the prompts' attention, captured for each bucket over
-        these pieces' static buffers (`PromptGraphs`)."""
-        self.prompt_rows = PromptGraphs(
+    def capture_steps(self) -> None:
+        """Let steps whose rows after the decode rows' graphs (or from the first row)
+        are all prompts without context (`PromptRows`) replay one graph of the whole
+        step, captured for each bucket and each decode-row size that fits it (0: no
+        decode rows), instead of up to three graphs per layer."""
+        self.prompt_rows = PromptRows(
             self.decoder.layers, self.caches, (self.q, self.kv_c, self.k_pe, self.attn_out),
             self.buckets,
         )
+        self.steps = {}
+        if self.device.type != "cuda":
+            return
+        sizes = [0] + ([] if self.decode_rows is None else self.decode_rows.sizes)
+        pool = self._pool
+        with torch.inference_mode():
+            for rows in reversed(self.buckets):  # largest first: the others reuse its memory
+                self.prompt_rows.warm_up(rows)  # compiles this bucket's kernels
+                torch.cuda.synchronize()
+                for size in reversed(sizes):
+                    if size > rows:
+                        continue
+                    meta = self._step_metadata[rows, size] = self._decode_metadata(size)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._step(rows, size, meta)
+                    pool = graph.pool()
+                    self.steps[rows, size] = graph
+        self._pool = pool
+        torch.cuda.synchronize()
+
+    def _decode_metadata(self, size: int) -> MLAMetadata | None:
+        """One forward's metadata for `size` decode rows, whose layer 0 makes the split
+        plan that the other layers read (None for no decode rows)."""
+        return self.decode_rows.metadata[size].for_forward() if size else None
+
+    def _step(self, rows: int, size: int, decode_meta: MLAMetadata | None) -> None:
+        """A whole step over `rows` rows whose first `size` rows' attention is the decode
+        rows' (decode_meta: `_decode_metadata(size)`) and the others' the prompts': what
+        `run` does layer by layer with their graphs."""
+        self._piece(0, rows)
+        for i in range(len(self.decoder.layers)):
+            if size:
+                self.decode_rows.attend(i, size, decode_meta)
+            self.prompt_rows.attend(i, rows)
+            self._piece(i + 1, rows)
 
     def _piece(self, i: int, rows: int) -> None:
         """Piece i over the first `rows` rows of the static buffers."""
@@ -160,6 +209,7 @@ class PiecewiseGraphs:
             torch.cuda.synchronize()
             self.graphs[rows], pool = capture_each(
                 len(pieces), lambda i, rows=rows: self._piece(i, rows), pool)
+        self._pool = pool
         torch.cuda.synchronize()
 
     def _replay(self, i: int, rows: int) -> None:
@@ -172,9 +222,13 @@ class PiecewiseGraphs:
         """Free the captured graphs (and with them the collectives they hold)."""
         torch.cuda.synchronize(self.device)
         reset_all(self.graphs)
-        for graphs in (self.decode_rows, self.prompt_rows):
-            if graphs is not None:
-                graphs.release()
+        if self.steps is not None:
+            for graph in self.steps.values():
+                graph.reset()
+            self.steps.clear()
+            self._step_metadata.clear()
+        if self.decode_rows is not None:
+            self.decode_rows.release()
 
     @torch.inference_mode()
     def run(
@@ -203,7 +257,6 @@ class PiecewiseGraphs:
             self._copied.record(torch.cuda.current_stream(self.device))
         if device_token_ids is not None:
             self.input_ids[:num_tokens].copy_(device_token_ids)
-        self._replay(0, rows)
         layers = self.decoder.layers
         real = slice(0, num_tokens)
         meta = meta.for_forward()
@@ -211,17 +264,27 @@ class PiecewiseGraphs:
         if staged is not None:  # rows 0..K-1 replay graphs, the rest runs eagerly
             first, meta = staged
             real = slice(first, num_tokens)
-        # ... unless the rest are prompts that replay graphs too.
+        # ... unless the rest are prompts without context: then the step is one graph.
         prompts = self.prompt_rows is not None and self.prompt_rows.stage(meta, real.start,
                                                                           rows)
+        if prompts:
+            size = 0 if staged is None else self.decode_rows.rows
+            if self.steps:
+                self.steps[rows, size].replay()
+            else:  # CPU: the same body, called
+                self._step(rows, size, self._decode_metadata(size))
+            return self._logits(sample_rows)
+        self._replay(0, rows)
         for i, (layer, cache) in enumerate(zip(layers, self.caches, strict=True)):
             if staged is not None:
                 self.decode_rows.replay(i)
-            if prompts:
-                self.prompt_rows.replay(i)
-            elif real.start < real.stop:
+            if real.start < real.stop:
                 layer.self_attn.attn(self.q[real], self.kv_c[real], self.k_pe[real], cache,
                                      meta, out=self.attn_out[real])
             self._replay(i + 1, rows)
+        return self._logits(sample_rows)
+
+    def _logits(self, sample_rows: list[int]) -> torch.Tensor:
+        """The logits [len(sample_rows), vocab] float32 of those rows of the last step."""
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(self.hidden.index_select(0, index)).float()

@@ -1,4 +1,4 @@
-"""CUDA graphs of the prompts' attention in steps with prompt tokens.
+"""The prompts' attention in whole-step CUDA graphs of steps with prompt tokens.
 
 Once `decode_rows` has taken a step's single-token decodes, its eager attention is left
 with the prompts, where one layer's call costs the host 15x its GPU time (on an H200's
@@ -6,12 +6,13 @@ host ~320 µs against ~20 for a 256-token prompt; docs/PERFORMANCE.md). A prompt
 cached context is graph-safe: MHA over its new tokens depends only on the step's token
 count and on how the tokens are cut into sequences, which the prefill kernels read from
 the device (their query blocks are packed, `ops/triton/prefill.py`). So a step whose
-other rows are all such prompts (at most `max_prompts` of them) replays, layer by layer,
-a graph captured for its token bucket, and no attention of the step runs eagerly.
+other rows are all such prompts (at most `max_prompts` of them) replays one graph of the
+whole step, captured for its token bucket and decode-row size
+(`PiecewiseGraphs.capture_steps`), in which this attention runs for every layer.
 
-The graph attends over all `rows` rows of the pieces' static buffers, cut into
+It attends over all `rows` rows of the pieces' static buffers, cut into
 max_prompts + 2 sequences: the rows before the prompts (the decode rows, which their
-own graph attends) as one, each prompt, empty ones up to max_prompts, and the padding
+own attention covers) as one, each prompt, empty ones up to max_prompts, and the padding
 rows as the last. Only the prompts' rows write the cache (the others' slots are -1) and
 reach the attention output: every row is attended into a scratch buffer, and the
 prompts' rows are copied from it. The other rows cost causal attention among
@@ -23,21 +24,20 @@ from __future__ import annotations
 import torch
 
 from pagedmla.cache import LatentKVCache
-from pagedmla.engine.cuda_graph import capture_each, reset_all
 from pagedmla.metadata import MLAMetadata, PrefillMetadata
 
 MAX_PROMPTS = 8  # prompts a graphed step may hold; each adds a query block to the grid
 
 
-class PromptGraphs:
+class PromptRows:
     """The attention of each layer in `layers` (over `caches`) for steps whose rows from
-    some row on are prompts without context, captured on CUDA for each bucket in
-    `buckets`, over the static buffers q [rows, N, P + R], kv_c [rows, L], k_pe [rows, R]
-    and out [rows, N * V] (the pieces', at least buckets[-1] rows each).
+    some row on are prompts without context, in buckets of `buckets` rows, over the
+    static buffers q [rows, N, P + R], kv_c [rows, L], k_pe [rows, R] and out
+    [rows, N * V] (the pieces', at least buckets[-1] rows each).
 
     Per step: `stage(meta, first, rows)` takes a step whose rows first.. are described
     by meta and padded up to the bucket `rows`, and says whether it staged them; then
-    `replay(i)` runs layer i's attention over them.
+    `attend(i, rows)` runs layer i's attention over them (in a graph of the step).
     """
 
     def __init__(
@@ -68,10 +68,6 @@ class PromptGraphs:
         self.scratch = torch.zeros_like(self.out[:rows])
         self._block_table = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
         self.metadata = {rows: self._metadata(rows) for rows in self.buckets}
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.rows = 0  # the bucket the staged step replays
-        if device.type == "cuda":
-            self._capture()
 
     def _metadata(self, rows: int) -> MLAMetadata:
         """What a graph of `rows` rows reads: its sequences' bounds from cu_seqlens (the
@@ -103,25 +99,24 @@ class PromptGraphs:
             ),
         )
 
-    def _attend(self, i: int, rows: int) -> None:
+    def attend(self, i: int, rows: int) -> None:
+        """Layer i's attention over the staged prompts in a bucket of `rows` rows."""
         self.layers[i].self_attn.attn(self.q[:rows], self.kv_c[:rows], self.k_pe[:rows],
                                       self.caches[i], self.metadata[rows],
                                       out=self.scratch[:rows])
         torch.where(self.keep[:rows], self.scratch[:rows], self.out[:rows],
                     out=self.out[:rows])
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = None
-        for rows in reversed(self.buckets):  # largest first: the others reuse its memory
-            # As captured: all rows in the last sequence, no slot, no row kept.
-            self.cu_seqlens[-1] = rows
-            for i in range(len(self.layers)):  # warm-up: compiles this bucket's kernels
-                self._attend(i, rows)
-            torch.cuda.synchronize()
-            self.graphs[rows], pool = capture_each(
-                len(self.layers), lambda i, rows=rows: self._attend(i, rows), pool)
-        torch.cuda.synchronize()
+    def warm_up(self, rows: int) -> None:
+        """Run every layer's attention over a bucket of `rows` rows, all in one sequence
+        that writes and keeps nothing (as a graph is captured), so that its kernels are
+        compiled before a capture."""
+        self.cu_seqlens.zero_()
+        self.cu_seqlens[-1] = rows
+        self.slot_mapping.fill_(-1)
+        self.keep.zero_()
+        for i in range(len(self.layers)):
+            self.attend(i, rows)
 
     def stage(self, meta: MLAMetadata, first: int, rows: int) -> bool:
         """Stage a step whose rows first..first + meta.num_tokens - 1 are described by
@@ -148,16 +143,4 @@ class PromptGraphs:
         self.slot_mapping.fill_(-1)
         self.slot_mapping[first:end].copy_(meta.slot_mapping)
         torch.logical_and(self._row_index >= first, self._row_index < end, out=self.keep)
-        self.rows = rows
         return True
-
-    def replay(self, i: int) -> None:
-        """Layer i's attention over the staged prompts."""
-        if self.graphs:
-            self.graphs[self.rows][i].replay()
-        else:  # CPU: the same buffers and sequences, called
-            self._attend(i, self.rows)
-
-    def release(self) -> None:
-        """Free the captured graphs."""
-        reset_all(self.graphs)
