@@ -1,0 +1,44 @@
+"""End-to-end offline throughput (`pagedmla bench`) on `bench_engine.py`'s model.
+
+Writes that random-weight DeepSeek checkpoint (`--layers`, `--hidden`, `--moe`; see
+`bench_engine.bench_config`) to a temporary directory and runs `pagedmla bench --model
+<it>` with the arguments after `--`: requests of random prompt tokens, generated to
+their max_tokens, timed end to end through `LLM.generate`. For example, session 33's
+run (docs/PERFORMANCE.md):
+
+    python3 benchmarks/bench_generate.py --layers 27 -- --dtype bfloat16 \\
+        --num-requests 600 --input-len 512 --output-len 256 --max-num-seqs 128 \\
+        --max-num-batched-tokens 2048 --num-kv-blocks 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from bench_engine import bench_config
+
+from pagedmla.cli import main as pagedmla_main
+from pagedmla.models.tiny import write_tiny_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=27)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="after --: arguments of `pagedmla bench` (not --model)")
+    args = parser.parse_args(argv)
+    rest = [a for a in args.bench_args if a != "--"]
+    if "--model" in rest:
+        parser.error("--model is the checkpoint this script writes: leave it out")
+    with tempfile.TemporaryDirectory() as directory:
+        write_tiny_checkpoint(directory, config=bench_config(args.layers, args.hidden, args.moe))
+        return pagedmla_main(["bench", "--model", directory, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
