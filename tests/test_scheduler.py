@@ -403,6 +403,8 @@ def test_schedule_ahead_plans_prompts_and_declines_only_where_schedule_would_pre
     second = scheduler.schedule_ahead(first)
     assert (second.num_new_tokens, second.starts, second.sources) == ([2], [4], [-1])
     assert second.needs_sample == [True]
+    with pytest.raises(RuntimeError, match="postprocess the step before this one first"):
+        scheduler.postprocess(second, {0: (4, {})})
     scheduler.postprocess(first, {})
     # The decode after it reads the sample of `second` (row 0) at position 6; a waiting
     # sequence joins with the budget's remaining 3 tokens.

@@ -350,17 +350,18 @@ class Scheduler:
         finished: list[Sequence] = []
         manager = self.block_manager
         block_size = manager.block_size
-        for seq, num_new, needs_sample, start in zip(
-            batch.seqs, batch.num_new_tokens, batch.needs_sample, batch.first_positions(),
-            strict=True,
-        ):
-            if batch.ahead and seq.status is SequenceStatus.FINISHED:
-                continue  # stopped in the step before: this row was computed for nothing
-            if seq.num_computed_tokens != start:
+        starts = batch.first_positions()
+        for seq, start in zip(batch.seqs, starts, strict=True):
+            if seq.status is not SequenceStatus.FINISHED and seq.num_computed_tokens != start:
                 raise RuntimeError(
                     f"{seq!r} was planned from position {start}: postprocess the step "
                     "before this one first"
                 )
+        for seq, num_new, needs_sample, start in zip(
+            batch.seqs, batch.num_new_tokens, batch.needs_sample, starts, strict=True
+        ):
+            if batch.ahead and seq.status is SequenceStatus.FINISHED:
+                continue  # stopped in the step before: this row was computed for nothing
             computed = start + num_new
             seq.num_computed_tokens = computed
             # commit registers the blocks filled since its last call, which follows every
