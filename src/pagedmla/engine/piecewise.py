@@ -146,15 +146,16 @@ class PiecewiseGraphs:
             for rows in reversed(self.buckets):  # largest first: the others reuse its memory
                 self.prompt_rows.warm_up(rows)  # compiles this bucket's kernels
                 torch.cuda.synchronize()
-                for size in reversed(sizes):
-                    if size > rows:
-                        continue
-                    meta = self._step_metadata[rows, size] = self._decode_metadata(size)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._step(rows, size, meta)
-                    pool = graph.pool()
+                fitting = [size for size in reversed(sizes) if size <= rows]
+                metas = [self._decode_metadata(size) for size in fitting]
+                graphs, pool = capture_each(
+                    len(fitting),
+                    lambda j, rows=rows, fitting=fitting, metas=metas: self._step(
+                        rows, fitting[j], metas[j]),
+                    pool)
+                for size, meta, graph in zip(fitting, metas, graphs, strict=True):
                     self.steps[rows, size] = graph
+                    self._step_metadata[rows, size] = meta
         self._pool = pool
         torch.cuda.synchronize()
 
