@@ -8,6 +8,8 @@ bucket, the eager fallback above the largest bucket. On a GPU the engine capture
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -34,7 +36,13 @@ def test_token_buckets() -> None:
     assert token_buckets(1) == [16]
     assert token_buckets(16) == [16]
     assert token_buckets(40) == [16, 32, 64]
-    assert token_buckets(1 << 20)[-1] == MAX_TOKENS
+    assert token_buckets(129) == [16, 32, 64, 128, 160]
+    assert token_buckets(640) == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                                  640]
+    buckets = token_buckets(1 << 20)
+    assert buckets[-1] == MAX_TOKENS and len(buckets) == 20
+    # Above 128 tokens a step is padded by at most a quarter.
+    assert all(b <= 1.25 * a for a, b in itertools.pairwise(buckets[3:]))
 
 
 def _assert_same_generations(expected: list, outputs: list) -> None:

@@ -7,7 +7,8 @@ model runs in pieces split at attention: piece 0 embeds the tokens and projects 
 (q, the normalised latent, k_pe); piece i (1..n-1) finishes layer i-1 (o_proj, the
 residual add with the norm, the MLP or experts) and projects layer i; piece n finishes
 the last layer and applies the final norm. Each piece is captured once per token bucket
-(T padded up to a power of two), and attention runs eagerly between the replays on the
+(`token_buckets`: T padded by at most a quarter above 128 tokens), and attention runs
+eagerly between the replays on the
 step's real rows. A step of 27 layers then launches 28 graphs and the attention kernels
 instead of ~470 kernels, one at a time from Python. The single-token decode rows'
 attention replays graphs of its own, per layer (`engine/decode_rows.py`).
@@ -44,14 +45,20 @@ from pagedmla.metadata import MLAMetadata
 
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
 MIN_TOKENS = 16
+# From here on buckets are a quarter of an octave apart: a step this large is bound by
+# its matmuls, whose padded rows cost as much as real ones.
+FINE_TOKENS = 128
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, .. up to the first power of two >= max_tokens (at most MAX_TOKENS)."""
+    """16, 32, 64, 128, then four per octave (160, 192, 224, 256, 320, ..), up to the
+    first bucket >= max_tokens (at most MAX_TOKENS)."""
     top = min(max_tokens, MAX_TOKENS)
     sizes = [MIN_TOKENS]
     while sizes[-1] < top:
-        sizes.append(2 * sizes[-1])
+        last = sizes[-1]
+        octave = 1 << (last.bit_length() - 1)  # the power of two at or below last
+        sizes.append(2 * last if last < FINE_TOKENS else last + octave // 4)
     return sizes
 
 
