@@ -276,8 +276,6 @@ def test_prompt_rows_stage_cuts_the_rows_into_sequences() -> None:
     # than the graphs hold.
     assert not graphs.stage(meta, 0, 16)
     assert not graphs.stage(llm.builder.build(_spec([4], [12], block)), 0, 16)
-    one = PromptRows(pieces.decoder.layers, pieces.caches,
-                     (pieces.q, pieces.kv_c, pieces.k_pe, pieces.attn_out), [16, 32],
-                     max_prompts=1)
+    one = PromptRows(pieces.decoder.layers, pieces.caches, [16, 32], max_prompts=1)
     assert not one.stage(rest, first, 16)
     assert one.stage(llm.builder.build(_spec([5], [5], block)), 0, 16)

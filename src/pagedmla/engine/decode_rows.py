@@ -78,24 +78,30 @@ class DecodeRowGraphs:
         if cache.device.type == "cuda":
             self._capture()
 
-    def attend(self, i: int, rows: int, meta: MLAMetadata) -> None:
-        """Layer i's decode attention over the first `rows` rows (meta: this size's)."""
-        self.layers[i].self_attn.attn(self.q[:rows], self.kv_c[:rows], self.k_pe[:rows],
-                                      self.caches[i], meta, out=self.out[:rows])
+    def attend(self, i: int, meta: MLAMetadata, q: torch.Tensor, kv_c: torch.Tensor,
+               k_pe: torch.Tensor, out: torch.Tensor) -> None:
+        """Layer i's decode attention over the staged rows: q [rows, N, P + R], kv_c
+        [rows, L], k_pe [rows, R] -> out [rows, N * V] (meta: this size's)."""
+        self.layers[i].self_attn.attn(q, kv_c, k_pe, self.caches[i], meta, out=out)
+
+    def _attend_static(self, i: int, rows: int, meta: MLAMetadata) -> None:
+        """`attend` over the first `rows` rows of the static buffers."""
+        self.attend(i, meta, self.q[:rows], self.kv_c[:rows], self.k_pe[:rows],
+                    self.out[:rows])
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         for rows in reversed(self.sizes):  # largest first: the others reuse its memory
             for i in range(len(self.layers)):  # warm-up: compiles this size's kernels
-                self.attend(i, rows, self.metadata[rows].for_forward())
+                self._attend_static(i, rows, self.metadata[rows].for_forward())
             torch.cuda.synchronize()
             # One forward's metadata for all layers: layer 0's graph makes the split plan
             # (from each replay's seq_lens), the others read it; it must outlive them.
             meta = self._captured[rows] = self.metadata[rows].for_forward()
             self.graphs[rows], pool = capture_each(
-                len(self.layers), lambda i, rows=rows, meta=meta: self.attend(i, rows, meta),
-                pool)
+                len(self.layers),
+                lambda i, rows=rows, meta=meta: self._attend_static(i, rows, meta), pool)
         torch.cuda.synchronize()
 
     def stage(self, meta: MLAMetadata) -> tuple[int, MLAMetadata] | None:
@@ -156,7 +162,7 @@ class DecodeRowGraphs:
         if self.graphs:
             self.graphs[self.rows][i].replay()
         else:  # CPU: the same buffers and padding, called
-            self.attend(i, self.rows, self.metadata[self.rows])
+            self._attend_static(i, self.rows, self.metadata[self.rows])
 
     def release(self) -> None:
         """Free the captured graphs."""

@@ -22,9 +22,10 @@ is graph-safe whole: it replays one graph captured for its bucket and decode-row
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
 graph's own temporaries are dead when its capture ends and every capture reuses one
-memory pool. Padded rows hold what an earlier step left there (valid token ids and
-positions, stale attention outputs; zeros at first): every op of the pieces works row
-by row, so they never reach a real row.
+memory pool. A whole step's graph hands its tensors from layer to layer instead and
+skips those copies, four per layer. Padded rows hold what an earlier step left there
+(valid token ids and positions, stale attention outputs; zeros at first): every op of
+the pieces works row by row, so they never reach a real row.
 
 Steps above the largest bucket run eagerly: with that many tokens the device, not the
 host, is the bottleneck. On the CPU (no graphs) `run` calls the pieces instead of
@@ -140,10 +141,7 @@ class PiecewiseGraphs:
         are all prompts without context (`PromptRows`) replay one graph of the whole
         step, captured for each bucket and each decode-row size that fits it (0: no
         decode rows), instead of up to three graphs per layer."""
-        self.prompt_rows = PromptRows(
-            self.decoder.layers, self.caches, (self.q, self.kv_c, self.k_pe, self.attn_out),
-            self.buckets,
-        )
+        self.prompt_rows = PromptRows(self.decoder.layers, self.caches, self.buckets)
         self.steps = {}
         if self.device.type != "cuda":
             return
@@ -151,7 +149,8 @@ class PiecewiseGraphs:
         pool = self._pool
         with torch.inference_mode():
             for rows in reversed(self.buckets):  # largest first: the others reuse its memory
-                self.prompt_rows.warm_up(rows)  # compiles this bucket's kernels
+                self.prompt_rows.stage_nothing(rows)
+                self._step(rows, 0, None)  # compiles this bucket's kernels
                 torch.cuda.synchronize()
                 fitting = [size for size in reversed(sizes) if size <= rows]
                 metas = [self._decode_metadata(size) for size in fitting]
@@ -174,13 +173,21 @@ class PiecewiseGraphs:
     def _step(self, rows: int, size: int, decode_meta: MLAMetadata | None) -> None:
         """A whole step over `rows` rows whose first `size` rows' attention is the decode
         rows' (decode_meta: `_decode_metadata(size)`) and the others' the prompts': what
-        `run` does layer by layer with their graphs."""
-        self._piece(0, rows)
-        for i in range(len(self.decoder.layers)):
+        `run` does layer by layer with their graphs. Within one graph the layers hand
+        their tensors on directly; only the inputs, the attention output and the final
+        hidden state are the static buffers."""
+        dec = self.decoder
+        hidden, cos, sin = dec.embed(self.input_ids[:rows], self.positions[:rows])
+        residual = None
+        out = self.attn_out[:rows]
+        for i, layer in enumerate(dec.layers):
+            q, kv_c, k_pe, residual = layer.before_attention(hidden, residual, cos, sin)
             if size:
-                self.decode_rows.attend(i, size, decode_meta)
-            self.prompt_rows.attend(i, rows)
-            self._piece(i + 1, rows)
+                self.decode_rows.attend(i, decode_meta, q[:size], kv_c[:size], k_pe[:size],
+                                        out[:size])
+            self.prompt_rows.attend(i, q, kv_c, k_pe, out)
+            hidden, residual = layer.after_attention(out, residual)
+        self.hidden[:rows].copy_(dec.final_norm(hidden, residual))
 
     def _piece(self, i: int, rows: int) -> None:
         """Piece i over the first `rows` rows of the static buffers."""

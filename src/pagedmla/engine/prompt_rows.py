@@ -10,13 +10,13 @@ other rows are all such prompts (at most `max_prompts` of them) replays one grap
 whole step, captured for its token bucket and decode-row size
 (`PiecewiseGraphs.capture_steps`), in which this attention runs for every layer.
 
-It attends over all `rows` rows of the pieces' static buffers, cut into
-max_prompts + 2 sequences: the rows before the prompts (the decode rows, which their
-own attention covers) as one, each prompt, empty ones up to max_prompts, and the padding
-rows as the last. Only the prompts' rows write the cache (the others' slots are -1) and
-reach the attention output: every row is attended into a scratch buffer, and the
-prompts' rows are copied from it. The other rows cost causal attention among
-themselves, a block or two, where an eager call would cost the host ~10x more.
+It attends over all `rows` rows of the step's tensors, cut into max_prompts + 2
+sequences: the rows before the prompts (the decode rows, which their own attention
+covers) as one, each prompt, empty ones up to max_prompts, and the padding rows as the
+last. Only the prompts' rows write the cache (the others' slots are -1) and reach the
+attention output: every row is attended into a scratch tensor, and the prompts' rows are
+copied from it. The other rows cost causal attention among themselves, a block or two,
+where an eager call would cost the host ~10x more.
 """
 
 from __future__ import annotations
@@ -31,32 +31,27 @@ MAX_PROMPTS = 8  # prompts a graphed step may hold; each adds a query block to t
 
 class PromptRows:
     """The attention of each layer in `layers` (over `caches`) for steps whose rows from
-    some row on are prompts without context, in buckets of `buckets` rows, over the
-    static buffers q [rows, N, P + R], kv_c [rows, L], k_pe [rows, R] and out
-    [rows, N * V] (the pieces', at least buckets[-1] rows each).
+    some row on are prompts without context, in buckets of `buckets` rows.
 
     Per step: `stage(meta, first, rows)` takes a step whose rows first.. are described
     by meta and padded up to the bucket `rows`, and says whether it staged them; then
-    `attend(i, rows)` runs layer i's attention over them (in a graph of the step).
+    `attend(i, q, kv_c, k_pe, out)` runs layer i's attention over them (in a graph of
+    the step). `stage_nothing(rows)` stages a step that keeps and writes nothing, as a
+    warm-up or capture runs.
     """
 
     def __init__(
         self,
         layers: torch.nn.ModuleList,
         caches: list[LatentKVCache],
-        buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         buckets: list[int],
         max_prompts: int = MAX_PROMPTS,
     ) -> None:
         self.layers = layers
         self.caches = caches
-        self.q, self.kv_c, self.k_pe, self.out = buffers
         self.buckets = sorted(buckets)
         self.max_prompts = max_prompts
         rows = self.buckets[-1]
-        if rows > self.q.shape[0]:
-            raise ValueError(f"buckets: at most {self.q.shape[0]} rows (the buffers'), got "
-                             f"{rows}")
         device = caches[0].device
         # Sequence bounds: the rows before the prompts, the prompts, the empty ones and
         # the padding; staged per step.
@@ -65,7 +60,6 @@ class PromptRows:
         self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self._row_index = torch.arange(rows, device=device).unsqueeze(1)
         self.keep = torch.zeros(rows, 1, dtype=torch.bool, device=device)  # prompt rows
-        self.scratch = torch.zeros_like(self.out[:rows])
         self._block_table = torch.zeros(num_seqs, 1, dtype=torch.int32, device=device)
         self.metadata = {rows: self._metadata(rows) for rows in self.buckets}
 
@@ -99,24 +93,22 @@ class PromptRows:
             ),
         )
 
-    def attend(self, i: int, rows: int) -> None:
-        """Layer i's attention over the staged prompts in a bucket of `rows` rows."""
-        self.layers[i].self_attn.attn(self.q[:rows], self.kv_c[:rows], self.k_pe[:rows],
-                                      self.caches[i], self.metadata[rows],
-                                      out=self.scratch[:rows])
-        torch.where(self.keep[:rows], self.scratch[:rows], self.out[:rows],
-                    out=self.out[:rows])
+    def attend(self, i: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """Layer i's attention over the staged prompts of a step in a bucket of rows:
+        q [rows, N, P + R], kv_c [rows, L], k_pe [rows, R]; writes the prompts' rows of
+        out [rows, N * V] and leaves its other rows."""
+        attended = torch.empty_like(out)
+        self.layers[i].self_attn.attn(q, kv_c, k_pe, self.caches[i],
+                                      self.metadata[q.shape[0]], out=attended)
+        torch.where(self.keep[: q.shape[0]], attended, out, out=out)
 
-    def warm_up(self, rows: int) -> None:
-        """Run every layer's attention over a bucket of `rows` rows, all in one sequence
-        that writes and keeps nothing (as a graph is captured), so that its kernels are
-        compiled before a capture."""
+    def stage_nothing(self, rows: int) -> None:
+        """Stage a step of `rows` rows in one sequence that writes and keeps nothing."""
         self.cu_seqlens.zero_()
         self.cu_seqlens[-1] = rows
         self.slot_mapping.fill_(-1)
         self.keep.zero_()
-        for i in range(len(self.layers)):
-            self.attend(i, rows)
 
     def stage(self, meta: MLAMetadata, first: int, rows: int) -> bool:
         """Stage a step whose rows first..first + meta.num_tokens - 1 are described by
