@@ -16,8 +16,9 @@ attention replays graphs of its own, per layer (`engine/decode_rows.py`).
 A step whose other rows are all prompts without cached context (`engine/prompt_rows.py`)
 is graph-safe whole: it replays one graph captured for its bucket and decode-row size
 (`capture_steps`) instead of up to three per layer, each launch of which costs the GPU
-15-25 µs. On an H200 a step of 128 decodes and a 256-token prompt (27 layers) takes
-5.97-6.00 ms so, against 7.72-7.74 with 82 graphs (docs/PERFORMANCE.md, "Session 33").
+15-25 µs. On an H200 a step of 128 decodes and a 256-token prompt (27 layers) took
+5.97-6.00 ms so, against 7.72-7.74 with 82 graphs (docs/PERFORMANCE.md, "Session 33"),
+and 5.62-5.63 ms after session 34's finer buckets and direct hand-offs below.
 
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
