@@ -497,6 +497,12 @@ def test_split_plan_follows_the_lengths() -> None:
     # Graph padding rows (seq_len 0) get one empty piece; a forced count is honoured.
     _, work = _plan([0, 700, 0], 1, 4, TINY_DECODE, forced=7)
     assert _pieces(work) == [1, 7, 1]
+    # Their programs exit at once, so they count in no wave: a wave of requests stays
+    # one wave, uncut, when a graph pads it past the multiprocessors (they used to push
+    # the plan to two pieces per request).
+    for padding in (0, 12, 68):
+        plan, work = _plan([1100] * 132 + [0] * padding, 1, 132, cfg16)
+        assert _pieces(work) == [1] * (132 + padding) and plan.cut[0, 0] == -1
 
 
 

@@ -11,10 +11,12 @@ The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, 
 the longest. Every request is cut into pieces of at most T tiles, one T for the whole
 batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 .. max_pieces
 (s: the longest request's piece count). A candidate makes P(T) = sum_b ceil(t_b / T)
-pieces, which run in ceil(P x head_groups / slots) waves of at most T tiles; each piece
-also pays a fixed cost (q, the first copy's latency, the epilogue: OVERHEAD tiles) and,
-once any request is cut, its float32 partial written and read back (PARTIAL tiles). The
-cheapest candidate wins, and the one with the fewest pieces within 3% of it is taken.
+pieces, which run in ceil(P x head_groups / slots) waves of at most T tiles (an empty
+request, such as a CUDA graph's padding row, takes a program that exits at once and
+counts in no wave); each piece also pays a fixed cost (q, the first copy's latency, the
+epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written and
+read back (PARTIAL tiles). The cheapest candidate wins, and the one with the fewest
+pieces within 3% of it is taken.
 Request b is then cut into ceil(t_b / T) pieces of equal whole-tile size. For a uniform
 batch this is the split count a host planner would choose; for a ragged one the long
 requests are cut finer than the short ones.
@@ -115,15 +117,18 @@ def _plan_kernel(
 
     s = tl.arange(0, BLOCK_S) + 1
     size = tl.maximum(_cdiv(tl.broadcast_to(t_max, (BLOCK_S,)), s), MIN_TILES)  # tiles
-    count = tl.zeros([BLOCK_S], tl.int32)
+    count = tl.zeros([BLOCK_S], tl.int32)  # pieces of the non-empty requests
+    empty = tl.full([], 0, tl.int32)  # empty requests: a program each, which exits at once
     for b0 in range(0, num_reqs, BLOCK_B):
         t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
-        cut = tl.maximum(_cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
-                               tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B))), 1)
+        cut = _cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
+                    tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B)))
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
+        empty += tl.sum(((b0 + reqs < num_reqs) & (t == 0)).to(tl.int32), 0)
     waves = tl.cdiv(count * head_groups, slots)
-    cost = (waves * (size + OVERHEAD + tl.where(count > num_reqs, PARTIAL, 0))).to(tl.float32)
-    allowed = (s <= max_pieces) & (count <= programs)
+    cut_any = count > num_reqs - empty
+    cost = (waves * (size + OVERHEAD + tl.where(cut_any, PARTIAL, 0))).to(tl.float32)
+    allowed = (s <= max_pieces) & (count + empty <= programs)
     cost = tl.where(allowed, cost, float("inf"))
     best = tl.min(cost, 0)
     chosen = tl.min(tl.where(allowed & (cost * 0.97 <= best), s, BLOCK_S + 1), 0)
