@@ -17,9 +17,9 @@ context parallelism over the same two ranks.
 
 `--arrivals N` also times steps that add one N-token prompt each to the decodes
 (continuous arrivals): mixed steps, planned ahead in the async mode as decode steps
-are, eager in the eager mode. In the graph modes everything but attention replays
-piecewise graphs (`PiecewiseGraphs`), and so does the attention of the decode rows and
-of the new prompt (`DecodeRowGraphs`, `PromptGraphs`).
+are, eager in the eager mode. In the graph modes such a step replays one graph of the
+whole step (`PiecewiseGraphs.capture_steps`: the decode rows' attention as
+`DecodeRowGraphs` runs it, the new prompt's as `PromptRows` does).
 """
 
 from __future__ import annotations
