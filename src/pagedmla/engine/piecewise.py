@@ -8,10 +8,10 @@ model runs in pieces split at attention: piece 0 embeds the tokens and projects 
 residual add with the norm, the MLP or experts) and projects layer i; piece n finishes
 the last layer and applies the final norm. Each piece is captured once per token bucket
 (`token_buckets`: T padded by at most a quarter above 128 tokens), and attention runs
-eagerly between the replays on the
-step's real rows. A step of 27 layers then launches 28 graphs and the attention kernels
-instead of ~470 kernels, one at a time from Python. The single-token decode rows'
-attention replays graphs of its own, per layer (`engine/decode_rows.py`).
+eagerly between the replays on the step's real rows. A step of 27 layers then launches
+28 graphs and the attention kernels instead of ~470 kernels, one at a time from Python.
+The single-token decode rows' attention replays graphs of its own, per layer
+(`engine/decode_rows.py`).
 
 A step whose other rows are all prompts without cached context (`engine/prompt_rows.py`)
 is graph-safe whole: it replays one graph captured for its bucket and decode-row size
@@ -48,7 +48,8 @@ from pagedmla.metadata import MLAMetadata
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
 MIN_TOKENS = 16
 # From here on buckets are a quarter of an octave apart: a step this large is bound by
-# its matmuls, whose padded rows cost as much as real ones.
+# its matmuls, where padding adds work (on an H200, 128 decodes and a 256-token prompt
+# took 5.85 ms on 384 rows against 6.02-6.04 on 512; docs/PERFORMANCE.md, "Session 34").
 FINE_TOKENS = 128
 
 
