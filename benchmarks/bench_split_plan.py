@@ -1,0 +1,61 @@
+"""The split plan against forced piece counts, on decode batches just past one wave.
+
+A uniform batch of more requests than one wave of programs (132 SMs on an H200, N = 16)
+keeps one piece per request under the plan, since its grid allows at most one wave of
+extra pieces, so it runs two full waves: a CPU simulation of the plan puts that at
+1.3-2x the balanced time for 133-200 requests (docs/PERFORMANCE.md, "Session 34").
+This times the decode (stage 1 and the combine, CUDA-graph replays, as the kernel
+benchmark times its decode rows) under the plan's own choice and under 1-4 forced
+pieces per request (`num_splits`, which widens the grid), so that a new rule can be
+chosen from measurements. One row pads 132 requests with 12 empty ones, as an engine's
+graph does: there the plan's choice should match one piece.
+
+    python3 benchmarks/bench_split_plan.py --out split_plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pagedmla.kernel_bench import bench, decode_inputs, graphed
+from pagedmla.ops.triton.decode import mla_decode
+
+# (batch, context, lengths or None for uniform)
+SHAPES = [(128, 1088, None), (144, 1088, [1088] * 132 + [0] * 12), (133, 1088, None),
+          (140, 1088, None), (170, 1088, None), (200, 1088, None), (140, 2048, None),
+          (140, 4096, None), (170, 4096, None), (200, 4096, None), (256, 4096, None)]
+SPLITS = (None, 1, 2, 3, 4)  # None: the plan's choice
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--out", default="split_plan.json")
+    args = parser.parse_args()
+    rows = []
+    print("| batch | context | plan µs | 1 piece | 2 | 3 | 4 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for batch, context, lengths in SHAPES:
+        inputs = decode_inputs(batch, args.heads, context, lengths=lengths)
+        times = {}
+        for splits in SPLITS:
+            plans: dict = {}
+            replay = graphed(lambda x=inputs, s=splits, p=plans: mla_decode(
+                *x, num_splits=s, plans=p))
+            times["plan" if splits is None else str(splits)] = bench(replay)
+        label = str(batch) if lengths is None else "132 + 12 empty"
+        rows.append({"batch": label, "N": args.heads, "context": context, "us": times})
+        print(f"| {label} | {context} | " + " | ".join(f"{t:.1f}" for t in times.values())
+              + " |", flush=True)
+        del inputs, replay
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
