@@ -135,8 +135,8 @@ def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, f
 def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
                      arrival_len: int) -> dict[str, float]:
     """Steps of `batch` decodes (and one more per step) plus one new `arrival_len`-token
-    prompt each (continuous arrivals): never one whole-step graph (see the module
-    docstring). Driven as `LLM.generate` drives them: with async scheduling each step is
+    prompt each (continuous arrivals): in the graph modes one whole-step graph each (see
+    the module docstring). Driven as `LLM.generate` drives them: with async scheduling each step is
     planned and enqueued while the one before runs (`Scheduler.schedule_ahead`), the
     prompt for it added just before (where a step is not planned ahead, its prompt
     waits for the next `schedule`). Step time: wall time between two steps'
