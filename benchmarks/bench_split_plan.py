@@ -1,14 +1,13 @@
 """The split plan against forced piece counts, on decode batches just past one wave.
 
-A uniform batch of more requests than one wave of programs (132 SMs on an H200, N = 16)
-keeps one piece per request under the plan, since its grid allows at most one wave of
-extra pieces, so it runs two full waves: a CPU simulation of the plan puts that at
-1.3-2x the balanced time for 133-200 requests (docs/PERFORMANCE.md, "Session 34").
+A uniform batch of a few more requests than one wave of programs (132 SMs on an H200,
+N = 16) would run its last requests as a second wave as long as the first; the plan
+cuts such batches into finer pieces instead (`split_plan`, LONE_WAVE and EXTRA_WAVES).
 This times the decode (stage 1 and the combine, CUDA-graph replays, as the kernel
 benchmark times its decode rows) under the plan's own choice and under 1-4 forced
-pieces per request (`num_splits`, which widens the grid), so that a new rule can be
-chosen from measurements. One row pads 132 requests with 12 empty ones, as an engine's
-graph does: there the plan's choice should match one piece.
+pieces per request (`num_splits`, which widens the grid), to check the plan's choice
+against the best. One row pads 132 requests with 12 empty ones, as an engine's graph
+does: there the plan's choice should match one piece.
 
     python3 benchmarks/bench_split_plan.py --out split_plan.json
 """
@@ -26,7 +25,8 @@ from pagedmla.ops.triton.decode import mla_decode
 # (batch, context, lengths or None for uniform)
 SHAPES = [(128, 1088, None), (144, 1088, [1088] * 132 + [0] * 12), (133, 1088, None),
           (140, 1088, None), (170, 1088, None), (200, 1088, None), (140, 2048, None),
-          (140, 4096, None), (170, 4096, None), (200, 4096, None), (256, 4096, None)]
+          (140, 4096, None), (170, 4096, None), (200, 4096, None), (256, 4096, None),
+          (300, 4096, None), (140, 8192, None), (170, 8192, None)]
 SPLITS = (None, 1, 2, 3, 4)  # None: the plan's choice
 
 

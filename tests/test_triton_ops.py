@@ -77,7 +77,7 @@ from pagedmla.ops.triton.decode import (
     hopper_kernel,
     pick_config,
 )
-from pagedmla.ops.triton.split_plan import MAX_SPLITS, SplitPlan, plan_splits
+from pagedmla.ops.triton.split_plan import EXTRA_WAVES, MAX_SPLITS, SplitPlan, plan_splits
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -452,7 +452,17 @@ def test_split_plan_uniform_batches() -> None:
     plan, work = _plan([8192] * 128, 1, 132, cfg16)
     assert len(work) == 128
     plan, work = _plan([4096] * 256, 1, 132, cfg16)
-    assert len(work) == 256 and plan.programs == 256 + 132
+    assert len(work) == 256 and plan.programs == 256 + EXTRA_WAVES * 132
+    # Just past a wave, a second wave of whole requests would run 8 of them alone for
+    # as long as the first: every request is cut (140 x 4k: 236 against 204 us on an
+    # H200), still in equal pieces.
+    plan, work = _plan([4096] * 140, 1, 132, cfg16)
+    assert len(set(_pieces(work))) == 1 and 2 * 140 <= len(work) <= plan.programs
+    assert len({_tiles(w, 64) for w in work}) == 1
+    # 200 requests fill their second wave half-way: whole requests (245 us) beat two
+    # and three pieces (273, 252).
+    plan, work = _plan([4096] * 200, 1, 132, cfg16)
+    assert len(work) == 200
     # Pieces never go below min_chunk positions: short requests stay whole.
     plan, work = _plan([100, 0, 255], 1, 132, cfg16)
     assert len(work) == 3 and plan.max_pieces == 1
@@ -489,7 +499,7 @@ def test_split_plan_follows_the_lengths() -> None:
     fair = sum(-(-n // 64) for n in lens) / 132
     assert len(work) <= 132 and max(_tiles(w, 64) for w in work) <= 1.2 * fair
     # A batch past one wave: the long request is cut, the short ones are not.
-    lens = [131072] + [4096] * 255
+    lens = [131072] + [4096] * 199
     _, work = _plan(lens, 1, 132, cfg16)
     counts = _pieces(work)
     assert counts[0] > 1 and set(counts[1:]) == {1}

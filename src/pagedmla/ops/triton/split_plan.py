@@ -11,12 +11,17 @@ The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, 
 the longest. Every request is cut into pieces of at most T tiles, one T for the whole
 batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 .. max_pieces
 (s: the longest request's piece count). A candidate makes P(T) = sum_b ceil(t_b / T)
-pieces, which run in ceil(P x head_groups / slots) waves of at most T tiles (an empty
+pieces, which run in P x head_groups / slots waves of at most T tiles (an empty
 request, such as a CUDA graph's padding row, takes a program that exits at once and
 counts in no wave); each piece also pays a fixed cost (q, the first copy's latency, the
 epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written and
-read back (PARTIAL tiles). The cheapest candidate wins, and the one with the fewest
-pieces within 3% of it is taken.
+read back (PARTIAL tiles). A batch that fits one wave uncut prices a partial wave as a
+full one. Past that, a candidate's last partial wave costs max(LONE_WAVE, its fill) of
+a full one: its few programs share the memory bandwidth with fewer others, so each
+runs faster, and a batch just past a wave is better served by finer pieces than by a
+second full-length wave for its last requests (H200, N = 16, 140 x 4k: one piece 236
+us, three 196). The cheapest candidate wins, and the one with the fewest pieces within
+3% of it is taken.
 Request b is then cut into ceil(t_b / T) pieces of equal whole-tile size. For a uniform
 batch this is the split count a host planner would choose; for a ragged one the long
 requests are cut finer than the short ones.
@@ -46,6 +51,13 @@ OVERHEAD_TILES = 2  # a piece's fixed cost, in tiles of cache (q, the first copy
 # A cut request's partial ([rows, L] float32, written then read back) moves about as many
 # bytes as 4 x rows bf16 cache rows of 576 columns (DeepSeek widths).
 PARTIAL_ROWS_PER_ROW = 4
+# A last partial wave's cost, as a fraction of a full wave's, past one wave of requests:
+# H200, N = 16, B = 140 against 256 x 4k (8 programs of the second wave alone: 0.61 of
+# a full one), 170 and 200 x 4k (38 and 68 programs: 0.6, 0.67).
+LONE_WAVE = 0.6
+# Stage-1 programs past a batch of more requests than one wave, in waves: room for the
+# finer pieces that such a batch is cut in (133-170 x 4k: three or four pieces).
+EXTRA_WAVES = 3
 _BLOCK_B = 64  # requests per step of the plan kernel's loops
 _BLOCK_P = 128  # programs per step of its last loop
 WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
@@ -105,8 +117,8 @@ def _plan_kernel(
     seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
     num_reqs, programs, max_pieces, max_cut, head_groups, slots, forced,
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
-    PARTIAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    PARTIAL: tl.constexpr, LONE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
     the longest request's piece count instead of scoring the candidates."""
@@ -125,9 +137,13 @@ def _plan_kernel(
                     tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B)))
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
         empty += tl.sum(((b0 + reqs < num_reqs) & (t == 0)).to(tl.int32), 0)
-    waves = tl.cdiv(count * head_groups, slots)
+    full = count * head_groups // slots  # full waves, and the last one's fill
+    fill = (count * head_groups - full * slots).to(tl.float32) / slots
+    past_wave = (num_reqs - empty) * head_groups > slots
+    last = tl.where(past_wave, tl.maximum(fill, LONE), 1.0)
+    waves = full.to(tl.float32) + tl.where(fill > 0, last, 0.0)
     cut_any = count > num_reqs - empty
-    cost = (waves * (size + OVERHEAD + tl.where(cut_any, PARTIAL, 0))).to(tl.float32)
+    cost = waves * (size + OVERHEAD + tl.where(cut_any, PARTIAL, 0)).to(tl.float32)
     allowed = (s <= max_pieces) & (count + empty <= programs)
     cost = tl.where(allowed, cost, float("inf"))
     best = tl.min(cost, 0)
@@ -180,14 +196,14 @@ def plan_bounds(
     """Host bounds of a plan from ints only: (programs, max_pieces, max_cut).
 
     programs: the stage-1 grid's pieces, one wave's worth (slots / head_groups) or, for
-    a batch larger than a wave, the batch plus one wave of cut pieces. max_pieces: the
+    a batch larger than a wave, the batch plus EXTRA_WAVES waves of cut pieces. max_pieces: the
     most pieces a request can get (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS,
     and what the grid leaves); `forced` pieces for the longest request (tests, tuning)
     widen the grid to fit them. max_cut: the most requests cut in more than one piece
     (each takes at least one of the programs past the batch's first B).
     """
     per_wave = cdiv(slots, head_groups)
-    programs = per_wave if num_reqs <= per_wave else num_reqs + per_wave
+    programs = per_wave if num_reqs <= per_wave else num_reqs + EXTRA_WAVES * per_wave
     min_tiles = max(1, min_chunk // block_n)
     max_pieces = max(1, min(MAX_SPLITS, cdiv(cdiv(max_seq_len, block_n), min_tiles),
                             programs - num_reqs + 1))
@@ -216,7 +232,7 @@ def plan_splits(
         seq_lens, query_start_loc, work, cut,
         num_reqs, programs, max_pieces, max_cut, head_groups, slots, int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
-        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n),
+        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
         BLOCK_S=next_pow2(max_pieces), BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, num_warps=8,
     )
     return SplitPlan(work, cut, programs, max_pieces)
