@@ -210,6 +210,10 @@ def main() -> None:
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
     config = bench_config(args.layers, args.hidden, args.moe)
+    # Room for every request's prompt and tokens (so that no step preempts), 4096 at least.
+    block_size = 64
+    per_request = -(-(args.prompt_len + args.steps + 8) // block_size)
+    kv_blocks = max(4096, (args.batch + 2 * (args.steps + 3)) * per_request)
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
         write_tiny_checkpoint(directory, config=config)
@@ -217,10 +221,10 @@ def main() -> None:
                  "cuda_graphs_async": (False, True)}
         for mode in args.modes.split(","):
             eager, ahead = modes[mode]
-            llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=64,
+            llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=block_size,
                       max_num_seqs=args.batch + (args.steps + 3 if args.arrivals else 0),
                       max_num_batched_tokens=16384,
-                      enforce_eager=eager, num_kv_blocks=4096, async_scheduling=ahead,
+                      enforce_eager=eager, num_kv_blocks=kv_blocks, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
                       decode_context_parallel_size=args.dcp)
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
