@@ -355,6 +355,8 @@ def _decode_partial_ws_kernel(
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
      num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+        return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(

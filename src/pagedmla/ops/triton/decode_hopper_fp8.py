@@ -418,6 +418,8 @@ def _decode_fp8_kernel(
     kv_scale = gl.load(scale_ptr)  # first: its round trip overlaps the work row's
     (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
      num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+        return
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 32])

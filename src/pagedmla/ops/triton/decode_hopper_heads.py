@@ -338,6 +338,8 @@ def _decode_heads_kernel(
     HALF_L: gl.constexpr = L // 2
     (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
      num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+        return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
     # The output accumulators: each warpgroup owns half of every [BLOCK_H, L / 2] half.
