@@ -56,7 +56,11 @@ PARTIAL_ROWS_PER_ROW = 4
 # a full one), 170 and 200 x 4k (38 and 68 programs: 0.6, 0.67).
 LONE_WAVE = 0.6
 # Stage-1 programs past a batch of more requests than one wave, in waves: room for the
-# finer pieces that such a batch is cut in (133-170 x 4k: three or four pieces).
+# finer pieces that such a batch is cut in (133-170 x 4k: two or three pieces), where
+# its last wave of whole requests would be filled less than LONE_WAVE; one wave else
+# (room to cut a few long requests), since a uniform batch that fills its last wave
+# that far stays whole, and the idle programs of a wider grid cost it (B = 256 x 4k,
+# N = 16: 294.6 us with one wave of room, 296.0 with three).
 EXTRA_WAVES = 3
 _BLOCK_B = 64  # requests per step of the plan kernel's loops
 _BLOCK_P = 128  # programs per step of its last loop
@@ -196,14 +200,18 @@ def plan_bounds(
     """Host bounds of a plan from ints only: (programs, max_pieces, max_cut).
 
     programs: the stage-1 grid's pieces, one wave's worth (slots / head_groups) or, for
-    a batch larger than a wave, the batch plus EXTRA_WAVES waves of cut pieces. max_pieces: the
-    most pieces a request can get (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS,
+    a batch larger than a wave, the batch plus room for cut pieces: EXTRA_WAVES waves
+    where the batch's last wave is filled less than LONE_WAVE, one wave else (all the
+    batch's rows count, a CUDA graph's padding among them). max_pieces: the most pieces
+    a request can get (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS,
     and what the grid leaves); `forced` pieces for the longest request (tests, tuning)
     widen the grid to fit them. max_cut: the most requests cut in more than one piece
     (each takes at least one of the programs past the batch's first B).
     """
     per_wave = cdiv(slots, head_groups)
-    programs = per_wave if num_reqs <= per_wave else num_reqs + EXTRA_WAVES * per_wave
+    fill = (num_reqs * head_groups % slots) / slots
+    room = EXTRA_WAVES if fill < LONE_WAVE else 1
+    programs = per_wave if num_reqs <= per_wave else num_reqs + room * per_wave
     min_tiles = max(1, min_chunk // block_n)
     max_pieces = max(1, min(MAX_SPLITS, cdiv(cdiv(max_seq_len, block_n), min_tiles),
                             programs - num_reqs + 1))
