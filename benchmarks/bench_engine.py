@@ -39,6 +39,8 @@ from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.engine.sequence import Sequence
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 
+BATCHED_TOKENS = 16384  # max_num_batched_tokens of the engines measured
+
 
 def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
     """V2-Lite's attention and depth options; dense MLPs, or with `moe` V2-Lite's
@@ -59,6 +61,12 @@ def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
             norm_topk_prob=False, routed_scaling_factor=1.0,
         )
     return config
+
+
+def _prefill_steps(batch: int, prompt_len: int) -> int:
+    """Steps that the batch's prompts take at BATCHED_TOKENS a step; meanwhile the
+    requests whose prompts are in already decode."""
+    return -(-batch * prompt_len // BATCHED_TOKENS)
 
 
 def _add_requests(llm: LLM, gen: torch.Generator, first_id: int, count: int, length: int,
@@ -95,7 +103,9 @@ def _timed_launch(llm: LLM, events: dict) -> Callable[..., LaunchedStep]:
 
 
 def time_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    # Long enough that the first prompts' requests still run when the last prompt is in.
+    max_tokens = steps + 8 + _prefill_steps(batch, prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _add_requests(llm, torch.Generator().manual_seed(0), 10_000, batch, prompt_len, params)
     events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
     launch = _timed_launch(llm, events)
@@ -143,7 +153,8 @@ def time_mixed_steps(llm: LLM, batch: int, prompt_len: int, steps: int,
     completions; device span as in `time_steps`. Medians after the first two steps
     (which may compile kernels for the new shapes)."""
     gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+    max_tokens = 2 * steps + 8 + _prefill_steps(batch, prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _add_requests(llm, gen, 20_000, batch, prompt_len, params)
     start = time.perf_counter()
     while llm.scheduler.waiting or any(
@@ -212,7 +223,8 @@ def main() -> None:
     config = bench_config(args.layers, args.hidden, args.moe)
     # Room for every request's prompt and tokens (so that no step preempts), 4096 at least.
     block_size = 64
-    per_request = -(-(args.prompt_len + args.steps + 8) // block_size)
+    per_request = -(-(args.prompt_len + 2 * args.steps + 8
+                      + _prefill_steps(args.batch, args.prompt_len)) // block_size)
     kv_blocks = max(4096, (args.batch + 2 * (args.steps + 3)) * per_request)
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
@@ -223,7 +235,7 @@ def main() -> None:
             eager, ahead = modes[mode]
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=block_size,
                       max_num_seqs=args.batch + (args.steps + 3 if args.arrivals else 0),
-                      max_num_batched_tokens=16384,
+                      max_num_batched_tokens=BATCHED_TOKENS,
                       enforce_eager=eager, num_kv_blocks=kv_blocks, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
                       decode_context_parallel_size=args.dcp)
