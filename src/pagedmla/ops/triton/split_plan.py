@@ -20,7 +20,7 @@ full one. Past that, a candidate's last partial wave costs max(LONE_WAVE, its fi
 a full one: its few programs share the memory bandwidth with fewer others, so each
 runs faster, and a batch just past a wave is better served by finer pieces than by a
 second full-length wave for its last requests (H200, N = 16, 140 x 4k: one piece 236
-us, three 196). Such a batch keeps the memory busy from the other programs while one
+us, three 196). In such a batch the other programs keep the memory busy while one
 starts or ends a piece, so its pieces pay no OVERHEAD (with it, the plan kept 133 and
 140 requests of 1088 positions whole, 6-10% slower than three pieces each). The
 cheapest candidate wins, and the one with the fewest pieces within 3% of it is taken.
