@@ -77,7 +77,15 @@ from pagedmla.ops.triton.decode import (
     hopper_kernel,
     pick_config,
 )
-from pagedmla.ops.triton.split_plan import EXTRA_WAVES, MAX_SPLITS, SplitPlan, plan_splits
+from pagedmla.ops.triton.split_plan import (
+    EXTRA_WAVES,
+    LONE_WAVE,
+    MAX_SPLITS,
+    OVERHEAD_TILES,
+    PARTIAL_ROWS_PER_ROW,
+    SplitPlan,
+    plan_splits,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -492,6 +500,62 @@ def test_split_plan_on_random_batches() -> None:
         groups = int(torch.randint(1, 5, (), generator=gen))
         slots = 4 if torch.rand((), generator=gen) < 0.3 else 132
         _plan(lens, groups, slots, cfg16)
+
+
+def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
+                 programs: int, max_pieces: int) -> int | None:
+    """The longest request's piece count by the rule `split_plan`'s docstring states,
+    worked out here in float64 within the plan's bounds (programs, max_pieces); None
+    where two candidates sit at the 3% margin, which float32 may round either way."""
+    tiles = [-(-n // cfg.block_n) for n in lens]
+    t_max, empty = max(tiles), tiles.count(0)
+    live = len(tiles) - empty
+    past_wave = live * head_groups > slots
+    min_tiles = max(1, cfg.min_chunk // cfg.block_n)
+    partial = -(-PARTIAL_ROWS_PER_ROW * cfg.block_h // cfg.block_n)
+    costs = {}
+    for s in range(1, max_pieces + 1):
+        size = max(-(-t_max // s), min_tiles)
+        count = sum(-(-t // size) for t in tiles)
+        if count + empty > programs:
+            continue
+        full, rest = divmod(count * head_groups, slots)
+        waves = full + ((max(LONE_WAVE, rest / slots) if past_wave else 1) if rest else 0)
+        overhead = 0 if past_wave else OVERHEAD_TILES
+        costs[s] = waves * (size + overhead + (partial if count > live else 0))
+    best = min(costs.values())
+    if any(abs(c * 0.97 - best) < 1e-5 * best for c in costs.values()):
+        return None
+    chosen = min(s for s, c in costs.items() if c * 0.97 <= best)
+    n = -(-t_max // max(-(-t_max // chosen), min_tiles))
+    return -(-t_max // -(-t_max // n))
+
+
+@runnable
+def test_split_plan_prices_waves_as_documented() -> None:
+    # The plan kernel's choice against the rule worked out in Python: batches around
+    # one and two waves of 132 (uniform, and with graph padding rows), then fresh random
+    # ones (1-300 requests, 0-200k positions, 1-2 head groups). The seed is printed.
+    cfg16 = DECODE_CONFIGS["rows16"]
+    cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
+    cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        batch = int(torch.randint(1, 301, (), generator=gen))
+        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
+        lens = (torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist()
+        lens[0] = max(lens[0], 1)
+        cases.append((lens, int(torch.randint(1, 3, (), generator=gen))))
+    checked = 0
+    for lens, groups in cases:
+        plan, work = _plan(lens, groups, 132, cfg16)
+        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces)
+        if want is not None:
+            assert max(_pieces(work)) == want, (len(lens), groups, max(lens))
+            checked += 1
+    assert checked >= len(cases) - 2
 
 
 @runnable
