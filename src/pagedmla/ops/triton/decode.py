@@ -360,6 +360,8 @@ def _decode_partial_kernel(
     group = tl.program_id(0)
     piece = tl.program_id(1)
     req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece)
+    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+        return
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
