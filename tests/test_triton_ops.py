@@ -83,6 +83,7 @@ from pagedmla.ops.triton.split_plan import (
     MAX_SPLITS,
     OVERHEAD_TILES,
     PARTIAL_ROWS_PER_ROW,
+    WHOLE_WAVES,
     SplitPlan,
     plan_splits,
 )
@@ -410,16 +411,17 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     """A plan for lengths `lens` (one query token each), checked for what every plan must
     be: each request's positions [0, len) covered by its pieces in order, each piece of
     whole tiles but the last, at most max_pieces pieces, consecutive programs, each with
-    its request's seq_len, first token and q_len; the other programs idle; the cut
-    requests listed in order."""
+    its request's seq_len, first token and q_len; every request once; the other programs
+    idle; the cut requests listed in the order of their programs."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
                        cfg.block_n, cfg.min_chunk, cfg.block_h, forced)
     work = plan.work.tolist()
     assert len(work) == plan.programs
-    taken, cut = 0, []
-    for b, n in enumerate(lens):
-        count = work[taken][3]
+    taken, cut, seen = 0, [], []
+    while taken < len(work) and work[taken][0] >= 0:
+        b, count = work[taken][0], work[taken][3]
+        n = lens[b]
         assert 1 <= count <= plan.max_pieces
         rows = work[taken:taken + count]
         assert all(r[0] == b and r[3] == count and r[4:8] == [n, b, 1, 0] for r in rows)
@@ -428,15 +430,17 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
             assert row[2] == after[1] and row[1] < row[2] and (row[2] - row[1]) % cfg.block_n == 0
         if count > 1:
             cut.append([b, taken, 0, count, n, b, 1, 0])
+        seen.append(b)
         taken += count
+    assert sorted(seen) == list(range(len(lens)))
     assert all(r == [-1] + [0] * 7 for r in work[taken:])
     assert plan.cut.tolist() == cut + [[-1] + [0] * 7] * (plan.cut.shape[0] - len(cut))
     return plan, work[:taken]
 
 
 def _pieces(work: list[list[int]]) -> list[int]:
-    """The piece count of each request of a plan's used work rows."""
-    return [row[3] for i, row in enumerate(work) if i == 0 or work[i - 1][0] != row[0]]
+    """The piece count of each request (in request order) of a plan's used work rows."""
+    return [count for _, count in sorted({row[0]: row[3] for row in work}.items())]
 
 
 def _tiles(piece: list[int], block_n: int) -> int:
@@ -464,15 +468,20 @@ def test_split_plan_uniform_batches() -> None:
     plan, work = _plan([4096] * 256, 1, 132, cfg16)
     assert len(work) == 256 and plan.programs == 256 + 132
     # Just past a wave, a second wave of whole requests would run 8 of them alone for
-    # as long as the first: every request is cut (140 x 4k on an H200: 236 us whole, 195
-    # in three pieces), every request alike.
+    # as long as the first: every request is cut, into 3 or 4 pieces so that the pieces
+    # fill four waves (140 x 4k on an H200: 233 us whole, 192 in four pieces each, 182
+    # in this layout).
     plan, work = _plan([4096] * 140, 1, 132, cfg16)
     assert plan.programs == 140 + EXTRA_WAVES * 132
-    (pieces,) = set(_pieces(work))
-    assert pieces >= 2 and max(_tiles(w, 64) for w in work) == -(-64 // pieces)
-    # The same for short requests (133 x 1088: 76 us whole, 71 in three pieces).
+    assert sorted(set(_pieces(work))) == [3, 4] and len(work) == 4 * 132
+    assert max(_tiles(w, 64) for w in work) == 22
+    # The bigger pieces (3 per request) take the first programs, the smaller ones the
+    # last: they fill the gaps the big ones leave (interleaved: 193 us).
+    assert [w[3] for w in work[:96]] == [3] * 96
+    # The same for short requests (133 x 1088: 75 us whole, 69 in three waves of 2 or 3
+    # pieces per request).
     plan, work = _plan([1088] * 133, 1, 132, cfg16)
-    assert set(_pieces(work)) == {3}
+    assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
     # 200 requests fill their second wave half-way: whole requests (245 us) beat two
     # and three pieces (273, 252).
     plan, work = _plan([4096] * 200, 1, 132, cfg16)
@@ -503,32 +512,49 @@ def test_split_plan_on_random_batches() -> None:
 
 
 def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int) -> int | None:
-    """The longest request's piece count by the rule `split_plan`'s docstring states,
-    worked out here in float64 within the plan's bounds (programs, max_pieces); None
-    where two candidates sit at the 3% margin, which float32 may round either way."""
+                 programs: int, max_pieces: int) -> list[int] | None:
+    """Each request's piece count by the rule `split_plan`'s docstring states, worked
+    out here in float64 within the plan's bounds (programs, max_pieces); None where two
+    candidates sit at the 3% margin, which float32 may round either way."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
     live = len(tiles) - empty
     past_wave = live * head_groups > slots
     min_tiles = max(1, cfg.min_chunk // cfg.block_n)
     partial = -(-PARTIAL_ROWS_PER_ROW * cfg.block_h // cfg.block_n)
-    costs = {}
+
+    def waves(count: int) -> float:
+        full, rest = divmod(count * head_groups, slots)
+        return full + ((max(LONE_WAVE, rest / slots) if past_wave else 1) if rest else 0)
+
+    def evened(t: int, n: int) -> int:  # pieces of equal whole-tile size
+        return -(-t // -(-t // n)) if t else 1
+
+    candidates = []  # (cost, pieces, is uniform, layout)
     for s in range(1, max_pieces + 1):
         size = max(-(-t_max // s), min_tiles)
-        count = sum(-(-t // size) for t in tiles)
-        if count + empty > programs:
-            continue
-        full, rest = divmod(count * head_groups, slots)
-        waves = full + ((max(LONE_WAVE, rest / slots) if past_wave else 1) if rest else 0)
-        overhead = 0 if past_wave else OVERHEAD_TILES
-        costs[s] = waves * (size + overhead + (partial if count > live else 0))
-    best = min(costs.values())
-    if any(abs(c * 0.97 - best) < 1e-5 * best for c in costs.values()):
+        layout = [evened(t, -(-t // size)) for t in tiles]
+        count = sum(layout) - empty
+        if count + empty <= programs:
+            overhead = (0 if past_wave else OVERHEAD_TILES) + (partial if count > live else 0)
+            candidates.append((waves(count) * (size + overhead), count, 0, layout))
+    total, goal = sum(tiles), -(-slots // head_groups)
+    for k in range(1, WHOLE_WAVES + 1) if past_wave else ():
+        share = [0, *itertools.accumulate(tiles)]
+        layout = [evened(t, max(1, min(
+            math.floor(share[b + 1] * k * goal / total + 0.5)
+            - math.floor(share[b] * k * goal / total + 0.5), max_pieces, t // min_tiles)))
+            for b, t in enumerate(tiles)]
+        count = sum(layout) - empty
+        if count + empty <= programs:
+            mean = total / count
+            largest = max(-(-t // n) for t, n in zip(tiles, layout) if t)
+            cost = waves(count) * (mean + (partial if count > live else 0)) + largest - mean
+            candidates.append((cost, count, 1, layout))
+    best = min(c[0] for c in candidates)
+    if any(abs(c[0] * 0.97 - best) < 1e-5 * best for c in candidates):
         return None
-    chosen = min(s for s, c in costs.items() if c * 0.97 <= best)
-    n = -(-t_max // max(-(-t_max // chosen), min_tiles))
-    return -(-t_max // -(-t_max // n))
+    return min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3]
 
 
 @runnable
@@ -539,6 +565,7 @@ def test_split_plan_prices_waves_as_documented() -> None:
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
+    cases += [([4096] * 140, 1), ([1088] * 132 + [0] * 12 + [4096] * 8, 1), ([2048] * 150, 2)]
     seed = int(torch.randint(0, 2**31, ()).item())
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -553,7 +580,7 @@ def test_split_plan_prices_waves_as_documented() -> None:
         plan, work = _plan(lens, groups, 132, cfg16)
         want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces)
         if want is not None:
-            assert max(_pieces(work)) == want, (len(lens), groups, max(lens))
+            assert _pieces(work) == want, (len(lens), groups, max(lens))
             checked += 1
     assert checked >= len(cases) - 2
 

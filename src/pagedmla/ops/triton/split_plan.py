@@ -22,11 +22,27 @@ runs faster, and a batch just past a wave is better served by finer pieces than 
 second full-length wave for its last requests (H200, N = 16, 140 x 4k: one piece 236
 us, three 196). In such a batch the other programs keep the memory busy while one
 starts or ends a piece, so its pieces pay no OVERHEAD (with it, the plan kept 133 and
-140 requests of 1088 positions whole, 6-10% slower than three pieces each). The
-cheapest candidate wins, and the one with the fewest pieces within 3% of it is taken.
-Request b is then cut into ceil(t_b / T) pieces of equal whole-tile size. For a uniform
-batch this is the split count a host planner would choose; for a ragged one the long
-requests are cut finer than the short ones.
+140 requests of 1088 positions whole, 6-10% slower than three pieces each). A
+batch past one wave has a second family of candidates too, whole waves: for k = 1 ..
+WHOLE_WAVES, k waves' worth of pieces (P = k x slots / head_groups) shared out in
+proportion to the requests' tiles by cumulative rounding (request b gets
+round(C_b P / C) - round(C_{b-1} P / C) pieces, C_b the tiles of requests 0 .. b, C all
+of them; at least one, at most max_pieces, none under MIN_TILES), so that a uniform
+batch of B requests is cut into a or a + 1 pieces each (a = P // B), which no single
+piece size makes. The programs start pieces as earlier ones end, so a wave's piece
+sizes even out over the SMs but for the last pieces: such a candidate costs its waves
+x the mean piece (plus PARTIAL) plus (largest piece - mean piece) for the tail (fitted
+on H200 timings of hand-made layouts, N = 16: 140 x 2k/4k/8k cut into three or four
+waves of 3/4 and 4/5 pieces per request ran 5-9% faster than the best uniform cut).
+The cheapest candidate of either family wins, and the one with the fewest pieces
+within 3% of it is taken (a uniform one on a tie). Request b is then cut into its
+pieces of equal whole-tile size. For a uniform batch the uniform family is the split
+count a host planner would choose; for a ragged one, either family cuts the long
+requests finer than the short ones. The requests whose pieces are at least the mean
+piece take the first programs, the others the last: the GPU starts programs in order as
+SMs free up, and small pieces last fill the gaps that the big ones leave (140 x 4k in
+four waves of 3 or 4 pieces per request: 182 us so, 193 with the two kinds of request
+interleaved).
 
 The plan is two int32 tensors of WORK-field rows: `work`, one row per stage-1 program
 (request, first position, end position, the request's piece count, and the request's
@@ -34,8 +50,9 @@ seq_len, first token and q_len, so that a program learns its work in one round t
 request -1 for programs past the last piece; and `cut`, one row per request cut in more
 than one piece (request, its first program, its piece count, ...), which the combine
 runs over, so that a batch none of whose requests is cut costs it next to nothing. A
-request's pieces are consecutive programs, so each of its query rows has its partials
-side by side in the partial buffer ([token, head, program, L]).
+request's pieces are consecutive programs (the requests in the order above), so each
+of its query rows has its partials side by side in the partial buffer ([token, head,
+program, L]).
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ LONE_WAVE = 0.6
 # that far stays whole, and the idle programs of a wider grid cost it (B = 256 x 4k,
 # N = 16: 294.6 us with one wave of room, 296.0 with three).
 EXTRA_WAVES = 3
+WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 at most)
 _BLOCK_B = 64  # requests per step of the plan kernel's loops
 _BLOCK_P = 128  # programs per step of its last loop
 WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
@@ -119,73 +137,135 @@ def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, mask):
 
 
 @triton.jit
+def _waves(count, head_groups, slots, past_wave, LONE: tl.constexpr):
+    """Waves that `count` pieces of head_groups programs run in: whole ones, and a last
+    partial one priced as a full one within one wave, at max(LONE, its fill) past it."""
+    full = count * head_groups // slots
+    fill = (count * head_groups - full * slots).to(tl.float32) / slots
+    last = tl.where(past_wave, tl.maximum(fill, LONE), 1.0)
+    return full.to(tl.float32) + tl.where(fill > 0, last, 0.0)
+
+
+@triton.jit
+def _whole_wave_pieces(t, done, total, goal, max_pieces, MIN_TILES: tl.constexpr,
+                       AXIS: tl.constexpr):
+    """Pieces of requests of t tiles (int32, along AXIS) after `done` tiles of the
+    batch, when `goal` pieces (broadcastable to t) are shared out over its `total` tiles by
+    cumulative rounding, within [1, max_pieces] and no piece under MIN_TILES; then
+    evened (ceil(t / ceil(t / n)) pieces of whole tiles). Empty requests get 1."""
+    c = (done + tl.cumsum(t, AXIS)).to(tl.int64)
+    goal = goal.to(tl.int64)
+    total = tl.maximum(total, 1).to(tl.int64)
+    n = ((2 * c * goal + total) // (2 * total)
+         - (2 * (c - t) * goal + total) // (2 * total)).to(tl.int32)
+    n = tl.maximum(tl.minimum(tl.minimum(n, max_pieces), t // MIN_TILES), 1)
+    return tl.where(t > 0, tl.cdiv(t, tl.maximum(tl.cdiv(t, n), 1)), 1)
+
+
+@triton.jit
 def _plan_kernel(
     seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
     num_reqs, programs, max_pieces, max_cut, head_groups, slots, forced,
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
     PARTIAL: tl.constexpr, LONE: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
     the longest request's piece count instead of scoring the candidates."""
     reqs = tl.arange(0, BLOCK_B)
     t_max = tl.full([], 0, tl.int32)
+    total = tl.full([], 0, tl.int32)  # tiles of the batch
+    empty = tl.full([], 0, tl.int32)  # empty requests: a program each, which exits at once
     for b0 in range(0, num_reqs, BLOCK_B):
-        t_max = tl.maximum(t_max, tl.max(_tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N), 0))
+        t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
+        t_max = tl.maximum(t_max, tl.max(t, 0))
+        total += tl.sum(t, 0)
+        empty += tl.sum(((b0 + reqs < num_reqs) & (t == 0)).to(tl.int32), 0)
+    live = num_reqs - empty
+    past_wave = live * head_groups > slots
 
+    # Uniform candidates: pieces of at most `size` tiles, s for the longest request.
     s = tl.arange(0, BLOCK_S) + 1
     size = tl.maximum(_cdiv(tl.broadcast_to(t_max, (BLOCK_S,)), s), MIN_TILES)  # tiles
     count = tl.zeros([BLOCK_S], tl.int32)  # pieces of the non-empty requests
-    empty = tl.full([], 0, tl.int32)  # empty requests: a program each, which exits at once
     for b0 in range(0, num_reqs, BLOCK_B):
         t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
         cut = _cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
                     tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B)))
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
-        empty += tl.sum(((b0 + reqs < num_reqs) & (t == 0)).to(tl.int32), 0)
-    full = count * head_groups // slots  # full waves, and the last one's fill
-    fill = (count * head_groups - full * slots).to(tl.float32) / slots
-    past_wave = (num_reqs - empty) * head_groups > slots
-    last = tl.where(past_wave, tl.maximum(fill, LONE), 1.0)
-    waves = full.to(tl.float32) + tl.where(fill > 0, last, 0.0)
-    cut_any = count > num_reqs - empty
-    overhead = tl.where(past_wave, 0, OVERHEAD)
-    cost = waves * (size + overhead + tl.where(cut_any, PARTIAL, 0)).to(tl.float32)
+    overhead = tl.where(past_wave, 0, OVERHEAD) + tl.where(count > live, PARTIAL, 0)
+    cost = _waves(count, head_groups, slots, past_wave, LONE) * (size + overhead)
     allowed = (s <= max_pieces) & (count + empty <= programs)
     cost = tl.where(allowed, cost, float("inf"))
-    best = tl.min(cost, 0)
-    chosen = tl.min(tl.where(allowed & (cost * 0.97 <= best), s, BLOCK_S + 1), 0)
+
+    # Whole-wave candidates (past one wave): k waves' worth of pieces shared out.
+    k = tl.arange(0, BLOCK_K) + 1
+    goal = k * ((slots + head_groups - 1) // head_groups)
+    w_count = tl.zeros([BLOCK_K], tl.int32)
+    w_max = tl.zeros([BLOCK_K], tl.int32)  # the largest piece, in tiles
+    done = tl.full([], 0, tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        t = tl.broadcast_to(_tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)[None, :],
+                            (BLOCK_K, BLOCK_B))
+        n = _whole_wave_pieces(t, done, total, goal[:, None], max_pieces, MIN_TILES, 1)
+        w_count += tl.sum(tl.where(t > 0, n, 0), 1)
+        w_max = tl.maximum(w_max, tl.max(tl.cdiv(t, n), 1))
+        done += tl.sum(tl.max(t, 0), 0)
+    mean = total.to(tl.float32) / tl.maximum(w_count, 1).to(tl.float32)
+    w_cost = (_waves(w_count, head_groups, slots, past_wave, LONE)
+              * (mean + tl.where(w_count > live, PARTIAL, 0)) + (w_max - mean))
+    w_allowed = past_wave & (w_count + empty <= programs)
+    w_cost = tl.where(w_allowed, w_cost, float("inf"))
+
+    best = tl.minimum(tl.min(cost, 0), tl.min(w_cost, 0))
+    near = allowed & (cost * 0.97 <= best)
+    w_near = w_allowed & (w_cost * 0.97 <= best)
+    fewest = tl.min(tl.where(near, count, 2**30), 0)
+    w_fewest = tl.min(tl.where(w_near, w_count, 2**30), 0)
+    chosen = tl.min(tl.where(near & (count == fewest), s, BLOCK_S + 1), 0)
     chosen = tl.where(forced > 0, tl.minimum(forced, max_pieces), chosen)
     tiles = tl.maximum(tl.cdiv(t_max, chosen), MIN_TILES)
+    whole = (w_fewest < fewest) & (forced == 0)
+    w_goal = tl.min(tl.where(w_near & (w_count == w_fewest), goal, 2**30), 0)
 
-    # Each request in equal whole-tile pieces of at most `tiles`; its pieces are the
-    # consecutive programs from `first` on. The requests cut in more than one piece
-    # are listed in order in `cut` (what the combine runs over).
+    # Each request in equal whole-tile pieces, as many as the chosen candidate gives
+    # it; its pieces are consecutive programs from `first` on. The requests whose pieces
+    # are at least the mean piece come first, so that the smaller pieces fill the last
+    # wave's gaps (as in longest-first list scheduling). The requests cut in more than
+    # one piece are listed in `cut` in that order too (what the combine runs over).
+    chosen_count = tl.where(whole, w_fewest, tl.sum(tl.where(s == chosen, count, 0), 0))
+    mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
     j = tl.arange(0, BLOCK_S)
     first = tl.full([], 0, tl.int32)
     cuts = tl.full([], 0, tl.int32)
-    for b0 in range(0, num_reqs, BLOCK_B):
-        b = b0 + reqs
-        in_batch = b < num_reqs
-        seq_len = tl.load(seq_lens_ptr + b, mask=in_batch, other=0)
-        q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
-        q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
-        t = tl.cdiv(seq_len, BLOCK_N)
-        n = tl.maximum(tl.cdiv(t, tiles), 1)
-        step = tl.cdiv(t, n)  # tiles per piece (0 for an empty request: one empty piece)
-        n = tl.where(t > 0, tl.cdiv(t, tl.maximum(step, 1)), 1)
-        n = tl.where(in_batch, n, 0)
-        start = first + tl.cumsum(n, 0) - n
-        first += tl.sum(n, 0)
-        is_cut = (n > 1).to(tl.int32)
-        listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
-        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
-        cuts += tl.sum(is_cut, 0)
-        lo = j[None, :] * (step * BLOCK_N)[:, None]
-        hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
-        at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
-        _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None], q_begin[:, None],
-                   q_len[:, None], j[None, :] < n[:, None])
+    for rank in tl.static_range(2):
+        done = tl.full([], 0, tl.int32)
+        for b0 in range(0, num_reqs, BLOCK_B):
+            b = b0 + reqs
+            in_batch = b < num_reqs
+            seq_len = tl.load(seq_lens_ptr + b, mask=in_batch, other=0)
+            q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
+            q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
+            t = tl.cdiv(seq_len, BLOCK_N)
+            n = tl.where(whole, _whole_wave_pieces(t, done, total, w_goal, max_pieces,
+                                                   MIN_TILES, 0),
+                         tl.maximum(tl.cdiv(t, tiles), 1))
+            done += tl.sum(t, 0)
+            step = tl.cdiv(t, n)  # tiles per piece (0 for an empty request: one empty piece)
+            n = tl.where(t > 0, tl.cdiv(t, tl.maximum(step, 1)), 1)
+            mine = (step.to(tl.float32) >= mean) == (rank == 0)  # big pieces first
+            n = tl.where(in_batch & mine, n, 0)
+            start = first + tl.cumsum(n, 0) - n
+            first += tl.sum(n, 0)
+            is_cut = (n > 1).to(tl.int32)
+            listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
+            _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
+            cuts += tl.sum(is_cut, 0)
+            lo = j[None, :] * (step * BLOCK_N)[:, None]
+            hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
+            at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
+            _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None],
+                       q_begin[:, None], q_len[:, None], j[None, :] < n[:, None])
 
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, programs, BLOCK_P):
@@ -244,6 +324,7 @@ def plan_splits(
         num_reqs, programs, max_pieces, max_cut, head_groups, slots, int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
-        BLOCK_S=next_pow2(max_pieces), BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, num_warps=8,
+        BLOCK_S=next_pow2(max_pieces), BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B,
+        BLOCK_P=_BLOCK_P, num_warps=8,
     )
     return SplitPlan(work, cut, programs, max_pieces)
