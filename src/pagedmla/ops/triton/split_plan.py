@@ -39,10 +39,11 @@ within 3% of it is taken (a uniform one on a tie). Request b is then cut into it
 pieces of equal whole-tile size. For a uniform batch the uniform family is the split
 count a host planner would choose; for a ragged one, either family cuts the long
 requests finer than the short ones. The requests whose pieces are at least the mean
-piece take the first programs, the others the last: the GPU starts programs in order as
-SMs free up, and small pieces last fill the gaps that the big ones leave (140 x 4k in
-four waves of 3 or 4 pieces per request: 182 us so, 193 with the two kinds of request
-interleaved).
+piece take the first programs, the others the last. The kinds must not be interleaved
+(140 x 4k in four waves of 3 or 4 pieces per request: 182 us with the 3-piece requests
+first, 183 with them last, 193 interleaved); bigger first is longest-first list
+scheduling, as the GPU starts programs in order as SMs free up, and an event model of
+that dispatch prefers it on ragged batches.
 
 The plan is two int32 tensors of WORK-field rows: `work`, one row per stage-1 program
 (request, first position, end position, the request's piece count, and the request's
@@ -95,9 +96,9 @@ class SplitPlan:
     work int32 [programs, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
     first token, q_len) per stage-1 program; cut int32 [max_cut, WORK]: (request, its
     first program, 0, its pieces, seq_len, first token, q_len) for each request in more
-    than one piece, in order, then rows of request -1. programs, max_pieces and max_cut
-    (cut's length) are host bounds: the stage-1 grid, the most pieces any request gets,
-    the most requests cut.
+    than one piece, in the order of their programs, then rows of request -1. programs,
+    max_pieces and max_cut (cut's length) are host bounds: the stage-1 grid, the most
+    pieces any request gets, the most requests cut.
     """
 
     work: torch.Tensor
