@@ -557,11 +557,25 @@ def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
     return min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3]
 
 
+def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[int] | None:
+    """The order of the requests' programs by `split_plan`'s docstring: those whose
+    pieces are at least the mean piece first, then the others, each in request order;
+    None where a piece is within float32's reach of the mean."""
+    tiles = [-(-n // cfg.block_n) for n in lens]
+    steps = [-(-t // n) if t else 0 for t, n in zip(tiles, pieces)]
+    mean = sum(tiles) / max(1, sum(n for t, n in zip(tiles, pieces) if t))
+    if any(abs(step - mean) < 1e-3 for step in steps):
+        return None
+    big = [b for b, step in enumerate(steps) if step >= mean]
+    return big + [b for b, step in enumerate(steps) if step < mean]
+
+
 @runnable
 def test_split_plan_prices_waves_as_documented() -> None:
-    # The plan kernel's choice against the rule worked out in Python: batches around
-    # one and two waves of 132 (uniform, and with graph padding rows), then fresh random
-    # ones (1-300 requests, 0-200k positions, 1-2 head groups). The seed is printed.
+    # The plan kernel's choices (each request's pieces, the requests' order) against the
+    # rule worked out in Python: batches around one and two waves of 132 (uniform, and
+    # with graph padding rows), then fresh random ones (1-300 requests, 0-200k
+    # positions, 1-2 head groups). The seed is printed.
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
@@ -581,6 +595,9 @@ def test_split_plan_prices_waves_as_documented() -> None:
         want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces)
         if want is not None:
             assert _pieces(work) == want, (len(lens), groups, max(lens))
+            order = _rule_order(lens, want, cfg16)
+            firsts = [row[0] for i, row in enumerate(work) if i == 0 or work[i - 1][0] != row[0]]
+            assert order is None or firsts == order, (len(lens), groups, max(lens))
             checked += 1
     assert checked >= len(cases) - 2
 
