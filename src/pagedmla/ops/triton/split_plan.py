@@ -231,9 +231,9 @@ def _plan_kernel(
 
     # Each request in equal whole-tile pieces, as many as the chosen candidate gives
     # it; its pieces are consecutive programs from `first` on. The requests whose pieces
-    # are at least the mean piece come first, so that the smaller pieces fill the last
-    # wave's gaps (as in longest-first list scheduling). The requests cut in more than
-    # one piece are listed in `cut` in that order too (what the combine runs over).
+    # are at least the mean piece come first, the others after them (two passes; the
+    # module docstring says why not interleaved). The requests cut in more than one
+    # piece are listed in `cut` in that order too (what the combine runs over).
     chosen_count = tl.where(whole, w_fewest, tl.sum(tl.where(s == chosen, count, 0), 0))
     mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
     j = tl.arange(0, BLOCK_S)
