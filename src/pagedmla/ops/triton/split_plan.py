@@ -206,15 +206,15 @@ def _plan_kernel(
     w_max = tl.zeros([BLOCK_K], tl.int32)  # the largest piece, in tiles
     done = tl.full([], 0, tl.int32)
     for b0 in range(0, num_reqs, BLOCK_B):
-        t = tl.broadcast_to(_tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)[None, :],
-                            (BLOCK_K, BLOCK_B))
+        t_row = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
+        t = tl.broadcast_to(t_row[None, :], (BLOCK_K, BLOCK_B))
         n = _whole_wave_pieces(t, done, total, goal[:, None], max_pieces, MIN_TILES, 1)
         w_count += tl.sum(tl.where(t > 0, n, 0), 1)
         w_max = tl.maximum(w_max, tl.max(tl.cdiv(t, n), 1))
-        done += tl.sum(tl.max(t, 0), 0)
-    mean = total.to(tl.float32) / tl.maximum(w_count, 1).to(tl.float32)
+        done += tl.sum(t_row, 0)
+    w_mean = total.to(tl.float32) / tl.maximum(w_count, 1).to(tl.float32)
     w_cost = (_waves(w_count, head_groups, slots, past_wave, LONE)
-              * (mean + tl.where(w_count > live, PARTIAL, 0)) + (w_max - mean))
+              * (w_mean + tl.where(w_count > live, PARTIAL, 0)) + (w_max - w_mean))
     w_allowed = past_wave & (w_count + empty <= programs)
     w_cost = tl.where(w_allowed, w_cost, float("inf"))
 
