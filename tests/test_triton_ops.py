@@ -83,6 +83,7 @@ from pagedmla.ops.triton.split_plan import (
     MAX_SPLITS,
     OVERHEAD_TILES,
     PARTIAL_ROWS_PER_ROW,
+    STREAM_TILES,
     WHOLE_WAVES,
     SplitPlan,
     plan_splits,
@@ -389,6 +390,41 @@ def test_decode_padded_request_is_harmless(config: DecodeConfig) -> None:
     _check_decode(tuple(args), torch.float32, config=config, num_splits=3)
 
 
+def _persistent_case(num_heads: int, q_len: int, L: int, block_size: int,
+                     dtype: torch.dtype, extra: int, longest: int, seed: int) -> tuple:
+    """A decode batch past one wave of stage-1 programs (slots + extra requests), so
+    that stage 1 takes the persistent plan: ragged lengths from the seed (empty, one
+    position, one tile and one past it, not page-aligned, up to `longest`), each
+    request q_len tokens (one for an empty one), and two CUDA-graph padding rows (q_len
+    0, seq_len 0) at the end."""
+    batch = multiprocessor_count(torch.device(DEVICE)) + extra
+    gen = torch.Generator().manual_seed(seed)
+    pool = [q_len, 0, 1, 64, 65, 333, longest // 4, longest // 2, longest]
+    lens = [pool[i] and max(pool[i], q_len)
+            for i in torch.randint(0, len(pool), (batch - 2,), generator=gen).tolist()]
+    lens[:4] = [q_len, 64, 65, longest]
+    q_lens = [q_len if n else 1 for n in lens] + [0, 0]
+    return _decode_case(q_lens, [*lens, 0, 0], num_heads, L, 64, block_size, dtype, dtype,
+                        seed)
+
+
+@runnable
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@TINY_CONFIGS
+def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
+    # A batch past one wave (on the interpreter: 4 programs): the persistent plan runs
+    # several pieces per program, short requests packed into one program, long ones cut
+    # across programs and merged by the combine; q_len 1 and 3 (3 x 8 heads: two head
+    # groups of 16 rows), seq_len 0 requests among them.
+    for num_heads, q_len in ((4, 1), (8, 3)):
+        args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, 7, 700,
+                                seed=90 + block_size + q_len)
+        plans: dict = {}
+        _check_decode(args, torch.float32, config=config, plans=plans)
+        (plan,) = plans.values()
+        assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
+
+
 @runnable
 def test_decode_few_requests_take_shorter_pieces() -> None:
     # A config's few_min_chunk replaces its min_chunk for batches of at most
@@ -407,17 +443,21 @@ def test_decode_few_requests_take_shorter_pieces() -> None:
 
 
 def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-          forced: int | None = None) -> tuple[SplitPlan, list[list[int]]]:
+          forced: int | None = None, persistent: bool = False,
+          ) -> tuple[SplitPlan, list[list[int]]]:
     """A plan for lengths `lens` (one query token each), checked for what every plan must
     be: each request's positions [0, len) covered by its pieces in order, each piece of
-    whole tiles but the last, at most max_pieces pieces, consecutive programs, each with
-    its request's seq_len, first token and q_len; every request once; the other programs
-    idle; the cut requests listed in the order of their programs."""
+    whole tiles but the last, at most max_pieces pieces, consecutive rows, each with
+    its request's seq_len, first token and q_len; every request once; the other rows
+    idle; the cut requests listed in the order of their rows; program p's pieces the
+    rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent plan)."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
-                       cfg.block_n, cfg.min_chunk, cfg.block_h, forced)
+                       cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent)
     work = plan.work.tolist()
-    assert len(work) == plan.programs
+    starts = plan.starts.tolist()
+    assert len(starts) == plan.programs + 1 and starts[0] == 0
+    assert all(a <= b for a, b in itertools.pairwise(starts))
     taken, cut, seen = 0, [], []
     while taken < len(work) and work[taken][0] >= 0:
         b, count = work[taken][0], work[taken][3]
@@ -434,6 +474,9 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
         taken += count
     assert sorted(seen) == list(range(len(lens)))
     assert all(r == [-1] + [0] * 7 for r in work[taken:])
+    assert starts[-1] == taken
+    if plan.rows == plan.programs:
+        assert starts == [min(p, taken) for p in range(plan.programs + 1)]
     assert plan.cut.tolist() == cut + [[-1] + [0] * 7] * (plan.cut.shape[0] - len(cut))
     return plan, work[:taken]
 
@@ -516,6 +559,14 @@ def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
     """Each request's piece count by the rule `split_plan`'s docstring states, worked
     out here in float64 within the plan's bounds (programs, max_pieces); None where two
     candidates sit at the 3% margin, which float32 may round either way."""
+    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces)
+    return None if choice is None else choice[1]
+
+
+def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
+                 programs: int, max_pieces: int) -> tuple[float, list[int]] | None:
+    """(the cheapest candidate's cost, the chosen candidate's piece counts) of
+    `_rule_pieces`, or None as there."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
     live = len(tiles) - empty
@@ -554,7 +605,7 @@ def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
     best = min(c[0] for c in candidates)
     if any(abs(c[0] * 0.97 - best) < 1e-5 * best for c in candidates):
         return None
-    return min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3]
+    return best, min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3]
 
 
 def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[int] | None:
@@ -627,6 +678,71 @@ def test_split_plan_follows_the_lengths() -> None:
     for padding in (0, 12, 68):
         plan, work = _plan([1100] * 132 + [0] * padding, 1, 132, cfg16)
         assert _pieces(work) == [1] * (132 + padding) and plan.cut[0, 0] == -1
+
+
+def _stream_runs(lens: list[int], programs: int, block_n: int) -> list[list[list[int]]]:
+    """Each program's pieces [request, lo, hi] by the persistent rule `split_plan`'s
+    docstring states, worked out here by walking the tiles: the batch's tiles in request
+    order, an empty request weighing one tile, runs of ceil(total / programs) tiles."""
+    weights = [max(1, -(-n // block_n)) for n in lens]
+    share = -(-sum(weights) // programs)
+    runs: list[list[list[int]]] = [[] for _ in range(programs)]
+    at = 0  # the stream's tile where the request begins
+    for b, (n, w) in enumerate(zip(lens, weights)):
+        t = 0
+        while t < w:
+            p = (at + t) // share
+            take = min(w - t, (p + 1) * share - at - t)
+            runs[p].append([b, min(t * block_n, n), min((t + take) * block_n, n)])
+            t += take
+        at += w
+    return runs
+
+
+@runnable
+def test_split_plan_persistent_runs() -> None:
+    # A kernel that runs several pieces per program gets a grid of a program per
+    # request for a batch past one wave, and the plan takes, by the rule worked out in
+    # Python, either the scored plan (whole requests, one per program) or the
+    # persistent one: one wave of programs that each take an even run of the batch's
+    # tiles, checked program by program. Uniform batches around one and two waves,
+    # graph padding, one long request among short ones, short requests packed several
+    # to a program, then fresh random batches of 133-300 requests.
+    cfg16 = DECODE_CONFIGS["rows16"]
+    cases = [[4096] * 140, [1088] * 133, [4096] * 256, [1088] * 132 + [0] * 12 + [4096] * 8,
+             [131072] + [64] * 199, [40] * 300, [0] * 140 + [100], [4096, 2048] * 70,
+             [1088] * 132 + [0] * 12, [4096] * 200]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        batch = int(torch.randint(133, 301, (), generator=gen))
+        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
+        cases.append((torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist())
+    kinds = set()
+    for lens in cases:
+        plan, work = _plan(lens, 1, 132, cfg16, persistent=True)
+        assert plan.programs == len(lens) and plan.rows == len(lens) + 132
+        tiles = [-(-n // 64) for n in lens]
+        share = -(-sum(max(t, 1) for t in tiles) // 132)
+        choice = _rule_choice(lens, 1, 132, cfg16, plan.programs, plan.max_pieces)
+        if choice is None or abs(share + STREAM_TILES - choice[0]) < 1e-3 * share:
+            continue
+        starts = plan.starts.tolist()
+        if len(tiles) - tiles.count(0) > 132 and share + STREAM_TILES < choice[0]:
+            kinds.add("persistent")
+            runs = [[row[:3] for row in work[starts[p]:starts[p + 1]]]
+                    for p in range(plan.programs)]
+            assert runs == [*_stream_runs(lens, 132, 64), *[[]] * (plan.programs - 132)]
+        else:
+            kinds.add("scored")
+            assert _pieces(work) == choice[1], (len(lens), max(lens))
+            assert starts == [min(p, len(work)) for p in range(plan.programs + 1)]
+    assert kinds == {"persistent", "scored"}
+    # A batch within one wave keeps the scored plan's grid, as does a forced piece count.
+    for lens, forced in (([4096] * 132, None), ([4096] * 140, 2)):
+        plan, _ = _plan(lens, 1, 132, cfg16, forced, persistent=True)
+        assert plan.rows == plan.programs
 
 
 
@@ -1167,6 +1283,27 @@ def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
     assert relative_error(ours[0], theirs[0].double()) < 1e-2
     lse_atol = E4M3_PRODUCTS_LSE_ATOL if _e4m3_products(args, None) else 2e-3
     torch.testing.assert_close(ours[1], theirs[1], atol=lse_atol, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(("q_len", "num_heads"), [(1, 16), (2, 8), (1, 1)])
+def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len: int,
+                                      num_heads: int) -> None:
+    # The 16-row kernel on a batch past one wave: programs run several pieces each, the
+    # ring going on from one piece to the next, q reloaded per piece.
+    from pagedmla.ops.triton import decode_hopper
+
+    args = _persistent_case(num_heads, q_len, 512, block_size, dtype, 40, 4097,
+                            seed=950 + block_size)
+    assert hopper_kernel(args[0], args[1], num_heads * q_len, 512) is decode_hopper
+    plans: dict = {}
+    _check_decode(args, torch.bfloat16, plans=plans)
+    (plan,) = plans.values()
+    assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
+    _check_hopper_decode(args, num_heads * q_len, False, None)
 
 
 @pytest.mark.cuda

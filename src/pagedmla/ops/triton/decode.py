@@ -164,11 +164,9 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
 @triton.jit
 def _load_piece(work_ptr, piece):
     """(request, lo, hi, the request's piece count, seq_len, first token, q_len) from
-    row `piece` of a split plan's work; an idle program (request -1) gets request 0 and
-    zeros (no pieces, no rows)."""
+    row `piece` of a split plan's work."""
     row = work_ptr + WORK_FIELDS * piece
-    req = tl.load(row)
-    return (tl.maximum(req, 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
             tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
 
 
@@ -331,13 +329,13 @@ def _paged_step(
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
-    out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+    starts_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_db, stride_dp,
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, softmax_scale,
+    num_heads, num_pieces, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
     BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
@@ -345,23 +343,43 @@ def _decode_partial_kernel(
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
     PF_LINE: tl.constexpr,
 ):
-    """One (head group, piece): out [BLOCK_H, L] and lse over the piece's positions.
-
-    The piece is row program_id(1) of the split plan's work [programs, WORK]
-    (`split_plan`).
+    """One head group of the pieces starts[p] .. starts[p + 1] - 1 (p = program_id(1))
+    of the split plan's work [num_pieces, WORK] (`split_plan`), one after the other:
+    out [BLOCK_H, L] and lse over each piece's positions (`_decode_piece`).
     PAGED: tiles come as bulk copies through latent_desc / rope_desc (host tensor
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
     through data_ptr. A request in one piece gets its final out [T, N, L] (q dtype) and
     lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
-    float32 partials, at row (token x N + head) x programs + piece of part [.., L] and
+    float32 partials, at row (token x N + head) x num_pieces + piece of part [.., L] and
     part_lse (a row's pieces adjacent); a row whose piece holds no visible key gets lse
     -inf and no output (the combine never reads it).
     """
+    program = tl.program_id(1)
+    for piece in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
+        _decode_piece(
+            q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
+            piece, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh,
+            stride_db, stride_dp, stride_bt, stride_ot, stride_oh, stride_lt, stride_lh,
+            num_heads, num_pieces, softmax_scale, L, R, PAGE, BLOCK_H, BLOCK_N, HALF_L,
+            BLOCK_R, IS_FP8, PRECISION, SWAP_AB, PAGED, COMPUTE, PREFETCH, PF_LINES,
+            PF_REST, PF_LINE)
+
+
+@triton.jit
+def _decode_piece(
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, piece,
+    out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh, stride_db, stride_dp,
+    stride_bt, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_pieces,
+    softmax_scale, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+    SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
+    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
+    PF_LINE: tl.constexpr,
+):
+    """Head group program_id(0) of work row `piece` (see `_decode_partial_kernel`)."""
     group = tl.program_id(0)
-    piece = tl.program_id(1)
     req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece)
-    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
-        return
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -469,7 +487,7 @@ def _decode_partial_kernel(
                  mask=row_ok[:, None] & (cols[None, :] + HALF_L < L))
         tl.store(lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     else:
-        at = rows.to(tl.int64) * tl.num_programs(1) + piece
+        at = rows.to(tl.int64) * num_pieces + piece
         store_ok = (row_ok & has_key)[:, None]
         tl.store(part_ptr + at[:, None] * L + cols[None, :], out_a,
                  mask=store_ok & (cols[None, :] < L))
@@ -694,12 +712,14 @@ def mla_decode(
     num_sms = multiprocessor_count(q.device)
     slots = num_sms * cfg.programs_per_sm
     min_chunk = cfg.min_chunk_for(num_reqs)
+    # Stage 1 runs several pieces per program but in the Gluon kernels that do not.
+    persistent = hopper is None or hopper.PERSISTENT
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
-           min_chunk, block_h, num_splits)
+           min_chunk, block_h, num_splits, persistent)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
-                           block_n, min_chunk, block_h, num_splits)
+                           block_n, min_chunk, block_h, num_splits, persistent)
         if plans is not None:
             plans[key] = plan
     if plan.programs > GRID_YZ_MAX:  # stage 1's pieces are its grid's second axis
@@ -722,21 +742,21 @@ def mla_decode(
     # Partials of cut requests [token, head, piece, ..]: a row's pieces are adjacent, so
     # the combine reads each row's in one contiguous stretch.
     cut = plan.max_pieces > 1
-    part_out = (torch.empty(max_query_len, num_heads, plan.programs, L, dtype=torch.float32,
+    part_out = (torch.empty(max_query_len, num_heads, plan.rows, L, dtype=torch.float32,
                             device=q.device) if cut else out)
-    part_lse = (torch.empty(max_query_len, num_heads, plan.programs, dtype=torch.float32,
+    part_lse = (torch.empty(max_query_len, num_heads, plan.rows, dtype=torch.float32,
                             device=q.device) if cut else lse)
     if hopper is not None:
         hopper.decode_partial(
-            q, data, scale, block_table, plan.work, out, lse, part_out, part_lse,
+            q, data, scale, block_table, plan, out, lse, part_out, part_lse,
             head_groups, softmax_scale, L)
     else:
         _decode_partial_kernel[(head_groups, plan.programs)](
-            q, data, *(descs or (None, None)), scale, block_table, plan.work, out, lse,
-            part_out, part_lse,
+            q, data, *(descs or (None, None)), scale, block_table, plan.work, plan.starts,
+            out, lse, part_out, part_lse,
             q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-            num_heads, float(softmax_scale),
+            num_heads, plan.rows, float(softmax_scale),
             L=L, R=R, PAGE=data.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, HALF_L=half_l,
             BLOCK_R=block_r, IS_FP8=is_fp8, PRECISION=dot_precision(q.dtype),
             SWAP_AB=cfg.swap_ab, PAGED=descs is not None, COMPUTE=compute,
@@ -749,10 +769,10 @@ def mla_decode(
     # The Gluon kernels let the combine launch once their tiles are done (programmatic
     # dependent launch); it waits for stage 1 before reading the partials.
     pdl = hopper is not None
-    # A cut request has about programs / max_cut pieces (every one of the plan's, when
-    # one request is cut).
+    # A cut request has about rows / max_cut pieces (every one of the plan's, when one
+    # request is cut).
     block_c, block_s = combine_blocks(
-        rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.programs, max_cut)), plan.max_pieces,
+        rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.rows, max_cut)), plan.max_pieces,
         L, num_sms)
     _decode_combine_kernel[(cdiv(L, block_c) * rows_per_req * max_cut,)](
         part_out, part_lse, plan.cut, out, lse,

@@ -44,16 +44,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
-from triton.runtime.jit import JITFunction
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode import tiles_copyable
-from pagedmla.ops.triton.split_plan import WORK_FIELDS
+from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
 BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB)
+PERSISTENT = True  # a program runs several pieces of a persistent plan (`split_plan`)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
 
@@ -85,14 +85,24 @@ def pages_copyable(data: torch.Tensor) -> bool:
 
 @gluon.jit
 def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr):
-    """Where this program works: its head group and piece from the grid; from row
-    `piece` of the split plan's work (`split_plan`, WORK fields) its request, the
-    request's piece count, seq_len, first token and q_len (all 0 for an idle program,
-    which gets no rows); its query rows (q_len x N); and its positions [lo, hi) in
-    num_tiles tiles of TILE_N. A piece stops at the last position any of the program's
-    rows sees (bottom-right causal), and is empty for a group past the rows."""
+    """Where a program of one piece works: its head group and piece from the grid, and
+    the piece's `piece_slice`."""
     group = gl.program_id(0)
     piece = gl.program_id(1)
+    pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = piece_slice(
+        work_ptr, piece, group, num_heads, BLOCK_H, TILE_N)
+    return group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+
+
+@gluon.jit
+def piece_slice(work_ptr, piece, group, num_heads, BLOCK_H: gl.constexpr,
+                TILE_N: gl.constexpr):
+    """Head group `group` of row `piece` of the split plan's work (`split_plan`, WORK
+    fields): the request's piece count, the request, its seq_len, first token and q_len
+    (all 0 for an idle row, which gets no rows); the query rows (q_len x N); and the
+    positions [lo, hi) in num_tiles tiles of TILE_N. A piece stops at the last position
+    any of the group's rows sees (bottom-right causal), and is empty for a group past
+    the rows."""
     row = work_ptr + WORK_FIELDS * piece
     req = gl.maximum(gl.load(row), 0)
     pieces = gl.load(row + 3)
@@ -105,7 +115,7 @@ def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constex
     hi = gl.minimum(gl.load(row + 2), seq_len - q_len + last_tok + 1)
     hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
-    return group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+    return pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
 
 
 @gluon.jit
@@ -233,10 +243,11 @@ def copy_first_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, tabl
 
 @gluon.jit
 def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
-                  lo, hi, first, num_tiles, PAGE: gl.constexpr, STAGES: gl.constexpr):
+                  lo, hi, first, num_tiles, base, PAGE: gl.constexpr, STAGES: gl.constexpr):
     """Producer warp: copy tile i (from `first` on: `copy_first_tiles` issued those
-    before) into ring buffer i % STAGES once it is free, in TILE_N / CHUNK bulk copies of
-    CHUNK rows (the descriptors' box), each inside a page.
+    before) into ring buffer (base + i) % STAGES once it is free, in TILE_N / CHUNK bulk
+    copies of CHUNK rows (the descriptors' box), each inside a page; base: the tiles
+    the ring took before this slice (earlier pieces of a persistent program).
 
     The block-table entries of the next tile are loaded before waiting for a buffer, so
     their latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
@@ -250,12 +261,12 @@ def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, 
     rows = _copy_starts(table_row, lo + first * TILE_N, last, hi, COPIES, CHUNK, PAGE,
                         one_warp)
     for i in range(first, num_tiles):
-        slot = i % STAGES
+        slot = (base + i) % STAGES
         start = lo + i * TILE_N
         rows_next = _copy_starts(table_row, start + TILE_N, last, hi, COPIES, CHUNK, PAGE,
                                  one_warp)
         # A fresh mbarrier counts as having completed the phase before phase 0.
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(slot), (((base + i) // STAGES) & 1) ^ 1)
         _copy_tile(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready.index(slot), slot,
                    rows, index, 0)
         rows = rows_next
@@ -287,9 +298,11 @@ def zero_tail(k_a, k_b, k_r, start, hi, layout: gl.constexpr):
 
 @gluon.jit
 def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi, num_tiles,
-             limit, qk_scale, STAGES: gl.constexpr, mma: gl.constexpr, rows: gl.constexpr):
-    """Consumer warpgroup: online softmax over the slice's tiles; the products read the
-    ring buffer, which is released after them.
+             base, limit, qk_scale, STAGES: gl.constexpr, mma: gl.constexpr,
+             rows: gl.constexpr):
+    """Consumer warpgroup: online softmax over the slice's tiles, tile i in ring buffer
+    (base + i) % STAGES (`produce_tiles`); the products read the ring buffer, which is
+    released after them.
 
     Returns acc_a, acc_b [HALF_L, BLOCK_H] (O^T halves, unnormalised), m_i and l_i
     [BLOCK_H] (running max and sum, base 2)."""
@@ -302,8 +315,8 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
     s_init = gl.zeros([TILE_N, ROWS], gl.float32, mma)
     for i in range(num_tiles):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        slot = (base + i) % STAGES
+        mbarrier.wait(ready.index(slot), ((base + i) // STAGES) & 1)
         start = lo + i * TILE_N
         k_a = ring_a.index(slot)
         k_b = ring_b.index(slot)
@@ -337,25 +350,140 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi
 
 
 @gluon.jit
+def _store_piece(acc_a, acc_b, m_i, l_i, group, piece, pieces, q_begin, num_rows, num_heads,
+                 num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_ot, stride_oh,
+                 stride_lt, stride_lh, L: gl.constexpr, mma: gl.constexpr):
+    """A piece's result from `_consume`'s state: the final out and lse of a request in one
+    piece, else float32 partials at row (token x N + head) x num_pieces + piece (a
+    partial with no visible key is never read: not stored).
+
+    O^T [HALF_L, BLOCK_H] halves are stored straight from the accumulators' registers:
+    each store instruction covers 8 adjacent columns (32 bytes of float32) of 4 rows.
+    Through shared memory into a row-contiguous layout (16-byte stores) it was 0-2.4%
+    slower on the N = 16 grids (same-run A/B on an H200, session 26)."""
+    HALF_L: gl.constexpr = acc_a.type.shape[0]
+    BLOCK_H: gl.constexpr = acc_a.type.shape[1]
+    has_key = l_i > 0.0
+    norm = 1.0 / gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))  # natural log
+    out_a = acc_a * norm[None, :]
+    out_b = acc_b * norm[None, :]
+    r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
+    row_ok = r_st < num_rows
+    l_idx = gl.arange(0, HALF_L, gl.SliceLayout(1, mma))
+    if pieces == 1:
+        token = (q_begin + r_st // num_heads).to(gl.int64)
+        head = (r_st % num_heads).to(gl.int64)
+        out_cols = out_ptr + token * stride_ot + head * stride_oh
+        gl.store(out_cols[None, :] + l_idx[:, None], out_a.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[None, :])
+        gl.store(out_cols[None, :] + HALF_L + l_idx[:, None],
+                 out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+        gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
+    else:
+        at = r_st.to(gl.int64) * num_pieces + piece
+        store_ok = row_ok & (lse > float("-inf"))
+        gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
+        gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
+                 mask=store_ok[None, :])
+        gl.store(part_lse_ptr + at, lse, mask=row_ok)
+
+
+@gluon.jit
+def _consume_run(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, work_ptr,
+                 run_begin, run_end, group, num_heads, num_pieces, q_ptr, stride_qt,
+                 stride_qh, softmax_scale, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+                 stride_ot, stride_oh, stride_lt, stride_lh, L: gl.constexpr,
+                 R: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
+                 rows: gl.constexpr):
+    """Consumer warpgroup of a program's run of pieces run_begin .. run_end - 1: each
+    piece's tiles (`_consume`) and result (`_store_piece`); q of the first piece is in
+    q_a, q_b, q_r already, each later piece's is loaded over it (its tiles meanwhile
+    arrive: the producer runs ahead across pieces)."""
+    BLOCK_H: gl.constexpr = q_a.type.shape[0]
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    HALF_L: gl.constexpr = ring_a.type.shape[2]
+    qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
+    base = 0
+    for piece in range(run_begin, run_end):
+        pieces, _, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = piece_slice(
+            work_ptr, piece, group, num_heads, BLOCK_H, TILE_N)
+        if piece > run_begin:
+            x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
+                                   stride_qh, BLOCK_H, L, HALF_L, R, rows)
+            q_a.store(x_a)
+            q_b.store(x_b)
+            q_r.store(x_r)
+            fence_async_shared()
+            gl.thread_barrier()
+        # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
+        r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
+        limit = seq_len - q_len + r_mma // num_heads + 1
+        acc_a, acc_b, m_i, l_i = _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b,
+                                          q_r, p_smem, lo, hi, num_tiles, base, limit,
+                                          qk_scale, STAGES, mma, rows)
+        base += num_tiles
+        if piece == run_end - 1:
+            gdc_launch_dependents()  # the combine may launch now; it waits for this grid
+        _store_piece(acc_a, acc_b, m_i, l_i, group, piece, pieces, q_begin, num_rows,
+                     num_heads, num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+                     stride_ot, stride_oh, stride_lt, stride_lh, L, mma)
+
+
+@gluon.jit
+def _produce_run(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
+                 lo, hi, first, num_tiles, work_ptr, block_table_ptr, stride_bt, run_begin,
+                 run_end, group, num_heads, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCK_H: gl.constexpr):
+    """Producer warp of a program's run of pieces: the first piece's tiles (table_row,
+    lo, hi, num_tiles; `first` of them issued from the prologue), then each later
+    piece's, the ring's count going on across pieces."""
+    TILE_N: gl.constexpr = ring_a.type.shape[1]
+    produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
+                  lo, hi, first, num_tiles, 0, PAGE, STAGES)
+    base = num_tiles
+    for piece in range(run_begin + 1, run_end):
+        _, req, _, _, _, _, lo, hi, num_tiles = piece_slice(work_ptr, piece, group, num_heads,
+                                                            BLOCK_H, TILE_N)
+        produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                      block_table_ptr + req.to(gl.int64) * stride_bt, lo, hi, 0, num_tiles,
+                      base, PAGE, STAGES)
+        base += num_tiles
+
+
+@gluon.jit
 def _decode_partial_ws_kernel(
-    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, out_ptr, lse_ptr,
-    part_ptr, part_lse_ptr,
+    q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, starts_ptr,
+    out_ptr, lse_ptr, part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, softmax_scale,
+    num_heads, num_pieces, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
-    TILE_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    TILE_N: gl.constexpr, STAGES: gl.constexpr, RUNS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """One (head group, piece), as `decode._decode_partial_kernel` with a 16-bit cache
+    """The pieces starts[p] .. starts[p + 1] - 1 (RUNS: a persistent plan; else piece p)
+    of the split plan's work [num_pieces, WORK], p = program_id(1), one after the
+    other, each as `decode._decode_partial_kernel` takes it with a 16-bit cache
     (unscaled: scale_ptr is not read); the TILE_N-position tiles come through
     latent_desc ([rows, L / 2] boxes) and rope_desc ([rows, R] boxes, rows =
-    `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE, L + R] rows."""
+    `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE, L + R] rows. The ring
+    runs on across pieces, so a piece's first tiles are copied while the one before
+    ends."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
-    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
-     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
-    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+    group = gl.program_id(0)
+    run_begin = gl.program_id(1)
+    if RUNS:
+        run_end = gl.load(starts_ptr + run_begin + 1)
+        run_begin = gl.load(starts_ptr + run_begin)
+    else:
+        run_end = run_begin + 1
+    pieces, req, _, q_begin, _, num_rows, lo, hi, num_tiles = piece_slice(
+        work_ptr, run_begin, group, num_heads, BLOCK_H, TILE_N)
+    if run_begin == run_end or pieces == 0:  # an idle program: exit before any set-up
         return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
@@ -379,48 +507,17 @@ def _decode_partial_ws_kernel(
         gl.NVMMASharedLayout.get_default_for([TILE_N, BLOCK_H], compute))
     fence_async_shared()
 
-    qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
-    # Bottom-right causal: token t of q_len sees positions < seq_len - q_len + t + 1.
-    r_mma = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
-    limit = seq_len - q_len + r_mma // num_heads + 1
-
-    acc_a, acc_b, m_i, l_i = gl.warp_specialize([
-        (_consume, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi,
-                    num_tiles, limit, qk_scale, STAGES, mma, rows)),
-        (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, hi, first, num_tiles, PAGE, STAGES)),
+    gl.warp_specialize([
+        (_consume_run, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, work_ptr,
+                        run_begin, run_end, group, num_heads, num_pieces, q_ptr, stride_qt,
+                        stride_qh, softmax_scale, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+                        stride_ot, stride_oh, stride_lt, stride_lh, L, R, STAGES, mma,
+                        rows)),
+        (_produce_run, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
+                        table_row, lo, hi, first, num_tiles, work_ptr, block_table_ptr,
+                        stride_bt, run_begin, run_end, group, num_heads, PAGE, STAGES,
+                        BLOCK_H)),
     ], [1], [24])
-
-    gdc_launch_dependents()  # the combine may launch now; it waits for this grid
-    has_key = l_i > 0.0
-    norm = 1.0 / gl.where(has_key, l_i, 1.0)
-    lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))  # natural log
-    # O^T [HALF_L, BLOCK_H] halves stored straight from the accumulators' registers:
-    # each store instruction covers 8 adjacent columns (32 bytes of float32) of 4 rows.
-    # Through shared memory into a row-contiguous layout (16-byte stores) it was 0-2.4%
-    # slower on the N = 16 grids (same-run A/B on an H200, session 26).
-    out_a = acc_a * norm[None, :]
-    out_b = acc_b * norm[None, :]
-    r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
-    row_ok = r_st < num_rows
-    l_idx = gl.arange(0, HALF_L, gl.SliceLayout(1, mma))
-    if pieces == 1:
-        token = (q_begin + r_st // num_heads).to(gl.int64)
-        head = (r_st % num_heads).to(gl.int64)
-        out_cols = out_ptr + token * stride_ot + head * stride_oh
-        gl.store(out_cols[None, :] + l_idx[:, None], out_a.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[None, :])
-        gl.store(out_cols[None, :] + HALF_L + l_idx[:, None],
-                 out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
-        gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
-    else:  # a partial with no visible key is never read: not stored
-        at = r_st.to(gl.int64) * gl.num_programs(1) + piece
-        store_ok = row_ok & (lse > float("-inf"))
-        gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
-        gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
-                 mask=store_ok[None, :])
-        gl.store(part_lse_ptr + at, lse, mask=row_ok)
 
 
 def page_descriptors(data: torch.Tensor, L: int) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -447,33 +544,23 @@ def box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayou
 
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
     L: int,
 ) -> None:
-    """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1, programs),
-    the pieces of the split plan's work [programs, WORK].
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
+    plan.programs), the pieces of the split plan (PERSISTENT: several per program in a
+    persistent plan).
 
     q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
-    requests in one piece, part_out [.., programs, L] and part_lse float32 for the
+    requests in one piece, part_out [.., plan.rows, L] and part_lse float32 for the
     others' partials (as `decode.mla_decode`)."""
-    launch(_decode_partial_ws_kernel, STAGES, q, data, scale, block_table, work, out, lse,
-           part_out, part_lse, head_groups, softmax_scale, L)
-
-
-def launch(
-    kernel: JITFunction, stages: int, q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-    block_table: torch.Tensor, work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    part_out: torch.Tensor, part_lse: torch.Tensor, head_groups: int,
-    softmax_scale: float, L: int,
-) -> None:
-    """Launch a 16-row stage-1 kernel with this module's arguments (`decode_partial`'s,
-    and `decode_hopper_fp8`'s kernel, which takes the same) and `stages` ring buffers."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    kernel[(head_groups, work.shape[0])](
-        q, latent_desc, rope_desc, scale, block_table, work, out, lse, part_out, part_lse,
+    _decode_partial_ws_kernel[(head_groups, plan.programs)](
+        q, latent_desc, rope_desc, scale, block_table, plan.work, plan.starts, out, lse,
+        part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
+        lse.stride(1), lse.stride(0), q.shape[1], plan.rows, float(softmax_scale),
         L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=stages, num_warps=4,
+        STAGES=STAGES, RUNS=plan.rows > plan.programs, num_warps=4,
     )

@@ -69,14 +69,15 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
     allocate_ring,
-    launch,
     load_q,
+    page_descriptors,
     pages_copyable,
     produce_tiles,
     program_slice,
     zero_tail,
 )
 from pagedmla.ops.triton.e4m3 import e4m3_bits_to, float_to_e4m3
+from pagedmla.ops.triton.split_plan import SplitPlan
 
 __all__ = ["BLOCK_H", "BLOCK_N", "MAX_ROWS", "decode_partial", "supported"]
 
@@ -84,6 +85,7 @@ MAX_ROWS = 2 * BLOCK_H  # query rows per request: two head groups (the module do
 # Ring buffers of 36 KB: with q's terms, P and the second consumer's state, 204 KB, one
 # program per SM.
 STAGES = 4
+PERSISTENT = False  # one piece per program (`split_plan`)
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
 # value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
 Q_TOP = gl.constexpr(224.0)
@@ -471,7 +473,7 @@ def _decode_fp8_kernel(
                          qk_scales, kept, kept_ml, max_scratch.index(1), q_ptr, q_begin,
                          num_rows, stride_qt, stride_qh, qk_base, q_ready, mma, rows)),
         (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                         table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
+                         table_row, lo, hi, 0, num_tiles, 0, PAGE, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
     acc0, acc1, acc2, acc3, m_i, l_i = _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept,
                                              kept_ml, mma)
@@ -505,10 +507,18 @@ def _decode_fp8_kernel(
 
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
     L: int,
 ) -> None:
-    """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`)."""
-    launch(_decode_fp8_kernel, STAGES, q, data, scale, block_table, work, out, lse,
-           part_out, part_lse, head_groups, softmax_scale, L)
+    """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`,
+    one piece per program: not PERSISTENT)."""
+    latent_desc, rope_desc = page_descriptors(data, L)
+    _decode_fp8_kernel[(head_groups, plan.programs)](
+        q, latent_desc, rope_desc, scale, block_table, plan.work, out, lse, part_out,
+        part_lse,
+        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
+        STAGES=STAGES, num_warps=4,
+    )

@@ -67,9 +67,11 @@ from pagedmla.ops.triton.decode_hopper import (
     zero_tail,
 )
 from pagedmla.ops.triton.e4m3 import RAW_EXP_BF16, RAW_EXP_F16, e4m3_bits_to
+from pagedmla.ops.triton.split_plan import SplitPlan
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
+PERSISTENT = False  # one piece per program (`split_plan`)
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
@@ -407,7 +409,7 @@ def _decode_heads_kernel(
                       q_len, num_heads, group, qk_scale, q_ptr, q_begin, num_rows, stride_qt,
                       stride_qh, True, 0)),
             (produce_tiles, (latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
-                             table_row, lo, hi, 0, num_tiles, PAGE, STAGES)),
+                             table_row, lo, hi, 0, num_tiles, 0, PAGE, STAGES)),
         ], [4, 1], [SCORE_REGS, 24])
 
     mbarrier.wait(done, 0)
@@ -453,23 +455,23 @@ def _decode_heads_kernel(
 
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
-    work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+    plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
     L: int,
 ) -> None:
-    """Launch stage 1 for a batch `supported` accepted: grid (head_groups, programs),
-    head_groups = ceil(N * max_query_len / BLOCK_H), the pieces of the split plan's work
-    [programs, WORK].
+    """Launch stage 1 for a batch `supported` accepted: grid (head_groups, plan.programs),
+    head_groups = ceil(N * max_query_len / BLOCK_H), a piece of the split plan per
+    program (not PERSISTENT).
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
     [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out
-    [.., programs, L] and part_lse float32 for the others' partials (as
+    [.., plan.rows, L] and part_lse float32 for the others' partials (as
     `decode.mla_decode`)."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
-    _decode_heads_kernel[(head_groups, work.shape[0])](
+    _decode_heads_kernel[(head_groups, plan.programs)](
         q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
-        block_table, work, out, lse, part_out, part_lse,
+        block_table, plan.work, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
         q.shape[1], float(softmax_scale),

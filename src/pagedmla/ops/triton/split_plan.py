@@ -85,6 +85,13 @@ EXTRA_WAVES = 3
 WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 at most)
 _BLOCK_B = 64  # requests per step of the plan kernel's loops
 _BLOCK_P = 128  # programs per step of its last loop
+_BLOCK_J = 32  # pieces of a request per step of the persistent plan's loop
+# The persistent plan's cost over its even share of the batch, in tiles: the combine of
+# the requests it cuts and a piece's start at each request a program meets. It is taken
+# where it beats the scored plan's best (with its grid, whole requests past a wave) by
+# that much: H200, N = 16, 256 x 4k in two waves of whole requests 288.8 us, persistent
+# 299.1 (share 125 tiles, 128 for the waves); 200 x 4k 244.8 / 240.4.
+STREAM_TILES = 2
 WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
 WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
 
@@ -93,18 +100,26 @@ WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
 class SplitPlan:
     """A batch's pieces (see the module docstring).
 
-    work int32 [programs, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
-    first token, q_len) per stage-1 program; cut int32 [max_cut, WORK]: (request, its
-    first program, 0, its pieces, seq_len, first token, q_len) for each request in more
-    than one piece, in the order of their programs, then rows of request -1. programs,
-    max_pieces and max_cut (cut's length) are host bounds: the stage-1 grid, the most
-    pieces any request gets, the most requests cut.
+    work int32 [rows, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
+    first token, q_len) per piece; cut int32 [max_cut, WORK]: (request, its first
+    piece, 0, its pieces, seq_len, first token, q_len) for each request in more than one
+    piece, in the order of their pieces, then rows of request -1; starts int32
+    [programs + 1]: stage-1 program p takes the pieces starts[p] .. starts[p + 1] - 1
+    (just piece p but in the persistent plan). programs, max_pieces and max_cut (cut's
+    length) are host bounds: the stage-1 grid, the most pieces any request gets, the
+    most requests cut.
     """
 
     work: torch.Tensor
     cut: torch.Tensor
+    starts: torch.Tensor
     programs: int
     max_pieces: int
+
+    @property
+    def rows(self) -> int:
+        """Work rows (pieces and idle rows): the partial buffer's piece axis."""
+        return self.work.shape[0]
 
 
 @triton.jit
@@ -165,14 +180,17 @@ def _whole_wave_pieces(t, done, total, goal, max_pieces, MIN_TILES: tl.constexpr
 
 @triton.jit
 def _plan_kernel(
-    seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-    num_reqs, programs, max_pieces, max_cut, head_groups, slots, forced,
+    seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr,
+    num_reqs, programs, rows, max_pieces, max_cut, head_groups, slots, forced,
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
-    PARTIAL: tl.constexpr, LONE: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+    PARTIAL: tl.constexpr, LONE: tl.constexpr, PERSISTENT: tl.constexpr,
+    STREAM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
-    the longest request's piece count instead of scoring the candidates."""
+    the longest request's piece count instead of scoring the candidates. PERSISTENT:
+    stage 1 runs several pieces per program, so a batch past one wave may take the
+    persistent plan."""
     reqs = tl.arange(0, BLOCK_B)
     t_max = tl.full([], 0, tl.int32)
     total = tl.full([], 0, tl.int32)  # tiles of the batch
@@ -228,13 +246,42 @@ def _plan_kernel(
     tiles = tl.maximum(tl.cdiv(t_max, chosen), MIN_TILES)
     whole = (w_fewest < fewest) & (forced == 0)
     w_goal = tl.min(tl.where(w_near & (w_count == w_fewest), goal, 2**30), 0)
-
-    # Each request in equal whole-tile pieces, as many as the chosen candidate gives
-    # it; its pieces are consecutive programs from `first` on. The requests whose pieces
-    # are at least the mean piece come first, the others after them (two passes; the
-    # module docstring says why not interleaved). The requests cut in more than one
-    # piece are listed in `cut` in that order too (what the combine runs over).
     chosen_count = tl.where(whole, w_fewest, tl.sum(tl.where(s == chosen, count, 0), 0))
+
+    if PERSISTENT:
+        runs = (slots + head_groups - 1) // head_groups  # one wave of programs
+        share = tl.maximum(tl.cdiv(total + empty, runs), 1)
+        stream = past_wave & (forced == 0) & ((share + STREAM).to(tl.float32) < best)
+    else:
+        stream = False
+    if stream:
+        first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                   starts_ptr, num_reqs, programs, share, BLOCK_N, BLOCK_J,
+                                   BLOCK_B, BLOCK_P)
+    else:
+        first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                   num_reqs, whole, total, w_goal, tiles, chosen_count,
+                                   max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
+        p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, programs + 1, BLOCK_P):
+            tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, first), mask=p0 + p <= programs)
+    _idle_rows(work_ptr, cut_ptr, first, rows, cuts, max_cut, BLOCK_P)
+
+
+@triton.jit
+def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, whole, total,
+                 w_goal, tiles, chosen_count, max_pieces, MIN_TILES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Write the scored plan's rows (a piece per program) and cut list; returns the
+    pieces and the cut requests.
+
+    Each request in equal whole-tile pieces, as many as the chosen candidate gives it:
+    a whole-wave candidate's share (`whole`, of w_goal pieces) or pieces of at most
+    `tiles` tiles; its pieces are consecutive rows from `first` on. The requests whose
+    pieces are at least the mean piece come first, the others after them (two passes;
+    the module docstring says why not interleaved). The requests cut in more than one
+    piece are listed in `cut` in that order too (what the combine runs over)."""
+    reqs = tl.arange(0, BLOCK_B)
     mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
     j = tl.arange(0, BLOCK_S)
     first = tl.full([], 0, tl.int32)
@@ -267,65 +314,153 @@ def _plan_kernel(
             at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
             _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None],
                        q_begin[:, None], q_len[:, None], j[None, :] < n[:, None])
+    return first, cuts
 
+
+@triton.jit
+def _idle_rows(work_ptr, cut_ptr, used, rows, cuts, max_cut, BLOCK_P: tl.constexpr):
+    """Request -1 in the work rows from `used` on and the cut rows from `cuts` on."""
     p = tl.arange(0, BLOCK_P)
-    for p0 in range(0, programs, BLOCK_P):
+    for p0 in range(0, rows, BLOCK_P):
         _store_row(work_ptr + WORK_FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0,
-                   (p0 + p >= first) & (p0 + p < programs))
+                   (p0 + p >= used) & (p0 + p < rows))
     for c0 in range(0, max_cut, BLOCK_P):
         _store_row(cut_ptr + WORK_FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0,
                    (c0 + p >= cuts) & (c0 + p < max_cut))
 
 
+@triton.jit
+def _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N: tl.constexpr):
+    """Where requests b (a block of them, after `done` tiles of the batch) lie in the
+    stream of tiles that persistent programs take `share` at a time: their weight
+    (tiles, one for an empty request, 0 past the batch), first tile in the stream, first
+    program and piece count."""
+    in_batch = b < num_reqs
+    w = tl.where(in_batch, tl.maximum(_tiles(seq_lens_ptr, b, num_reqs, BLOCK_N), 1), 0)
+    begin = done + tl.cumsum(w, 0) - w
+    p_first = begin // share
+    n = tl.where(in_batch, (begin + w - 1) // share - p_first + 1, 0)
+    return w, begin, p_first, n
+
+
+@triton.jit
+def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, num_reqs,
+                 programs, share, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Write the persistent plan's rows, cut list and starts (see the module docstring);
+    returns the pieces and the cut requests. The batch's tiles in request order, an
+    empty request weighing one, are cut into runs of `share`; program p takes the
+    pieces (one per request it meets) of tiles [p share, (p + 1) share), work rows
+    starts[p] .. starts[p + 1] - 1 (none past the last run, up to `programs`)."""
+    reqs = tl.arange(0, BLOCK_B)
+    j = tl.arange(0, BLOCK_J)
+    done = tl.full([], 0, tl.int32)
+    first = tl.full([], 0, tl.int32)
+    cuts = tl.full([], 0, tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        b = b0 + reqs
+        in_batch = b < num_reqs
+        w, begin, p_first, n = _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N)
+        seq_len = tl.load(seq_lens_ptr + b, mask=in_batch, other=0)
+        q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
+        q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
+        start = first + tl.cumsum(n, 0) - n
+        is_cut = (n > 1).to(tl.int32)
+        listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
+        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
+        for j0 in range(0, tl.max(n, 0), BLOCK_J):
+            k = j0 + j[None, :]
+            run = (p_first[:, None] + k) * share  # the piece's program's first tile
+            lo = tl.maximum(run - begin[:, None], 0)
+            hi = tl.minimum(run + share, (begin + w)[:, None]) - begin[:, None]
+            _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None],
+                       lo * BLOCK_N, tl.minimum(hi * BLOCK_N, seq_len[:, None]), n[:, None],
+                       seq_len[:, None], q_begin[:, None], q_len[:, None], k < n[:, None])
+        done += tl.sum(w, 0)
+        first += tl.sum(n, 0)
+        cuts += tl.sum(is_cut, 0)
+
+    # starts[p]: the rows of the programs before p, sum over requests of
+    # clamp(p - p_first, 0, n).
+    p = tl.arange(0, BLOCK_P)
+    for p0 in range(0, programs + 1, BLOCK_P):
+        before = tl.zeros([BLOCK_P], tl.int32)
+        done = tl.full([], 0, tl.int32)
+        for b0 in range(0, num_reqs, BLOCK_B):
+            w, begin, p_first, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done,
+                                                share, BLOCK_N)
+            met = tl.minimum(tl.maximum((p0 + p)[:, None] - p_first[None, :], 0), n[None, :])
+            before += tl.sum(met, 1)
+            done += tl.sum(w, 0)
+        tl.store(starts_ptr + p0 + p, before, mask=p0 + p <= programs)
+    return first, cuts
+
+
 def plan_bounds(
     num_reqs: int, head_groups: int, max_seq_len: int, slots: int, block_n: int,
-    min_chunk: int, forced: int | None = None,
-) -> tuple[int, int, int]:
-    """Host bounds of a plan from ints only: (programs, max_pieces, max_cut).
+    min_chunk: int, forced: int | None = None, persistent: bool = False,
+) -> tuple[int, int, int, int]:
+    """Host bounds of a plan from ints only: (programs, rows, max_pieces, max_cut).
 
-    programs: the stage-1 grid's pieces, one wave's worth (slots / head_groups) or, for
-    a batch larger than a wave, the batch plus room for cut pieces: EXTRA_WAVES waves
-    where the batch's last wave is filled less than LONE_WAVE, one wave else (all the
-    batch's rows count, a CUDA graph's padding among them). max_pieces: the most pieces
-    a request can get (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS,
-    and what the grid leaves); `forced` pieces for the longest request (tests, tuning)
-    widen the grid to fit them. max_cut: the most requests cut in more than one piece
-    (each takes at least one of the programs past the batch's first B).
+    programs: the stage-1 grid's programs per head group; rows: the plan's work rows
+    (its pieces), which are the programs but where a persistent plan may be made: for a
+    kernel that runs several pieces per program (`persistent`) and a batch of more rows
+    than one wave of programs (slots / head_groups = W), a CUDA graph's padding among
+    them. There the grid is a program per request (the scored plan's whole requests,
+    or a wave's pieces when the padding leaves a wave of requests or fewer) and the
+    rows the batch plus W (the persistent plan's runs of W programs). Else one wave's
+    worth of programs or, for a batch larger than a wave, the batch plus room for cut
+    pieces: EXTRA_WAVES waves where the batch's last wave is filled less than
+    LONE_WAVE, one wave else. max_pieces: the most pieces a request can get
+    (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS, and what the grid leaves; in
+    the persistent plan a piece per tile, at most one per program of W); `forced`
+    pieces for the longest request (tests, tuning) widen the grid to fit them and rule
+    out the persistent plan. max_cut: the most requests cut in more than one piece
+    (each takes at least one of the programs past the batch's first B; in the
+    persistent plan, each straddles a boundary between runs).
     """
     per_wave = cdiv(slots, head_groups)
+    max_tiles = cdiv(max_seq_len, block_n)
+    if persistent and forced is None and num_reqs > per_wave:
+        return (num_reqs, num_reqs + per_wave, max(1, min(max_tiles, per_wave)),
+                max(1, min(num_reqs, per_wave - 1)))
     fill = (num_reqs * head_groups % slots) / slots
     room = EXTRA_WAVES if fill < LONE_WAVE else 1
     programs = per_wave if num_reqs <= per_wave else num_reqs + room * per_wave
     min_tiles = max(1, min_chunk // block_n)
-    max_pieces = max(1, min(MAX_SPLITS, cdiv(cdiv(max_seq_len, block_n), min_tiles),
-                            programs - num_reqs + 1))
+    max_pieces = max(1, min(MAX_SPLITS, cdiv(max_tiles, min_tiles), programs - num_reqs + 1))
     if forced is not None:
         max_pieces = max(1, min(int(forced), MAX_SPLITS))
         programs = max(programs, num_reqs * max_pieces)
-    return programs, max_pieces, max(1, min(num_reqs, programs - num_reqs))
+    return programs, programs, max_pieces, max(1, min(num_reqs, programs - num_reqs))
 
 
 def plan_splits(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_groups: int,
     max_seq_len: int, slots: int, block_n: int, min_chunk: int, block_h: int,
-    forced: int | None = None,
+    forced: int | None = None, persistent: bool = False,
 ) -> SplitPlan:
     """Plan the pieces of a batch with seq_lens int32 [B] and query_start_loc int32
     [B + 1] (on the device; nothing is read back): one launch of a one-program kernel,
     graph-safe. head_groups: stage-1 programs per piece; slots: programs the GPU runs at
     once; block_n / min_chunk / block_h: the stage-1 config's tile, fewest positions per
-    piece and rows per program."""
+    piece and rows per program; persistent: the stage-1 kernel runs every piece of
+    starts[p] .. starts[p + 1] - 1 in program p (else only piece p), so that a batch
+    past one wave may take the persistent plan (`plan_bounds`)."""
     num_reqs = seq_lens.shape[0]
-    programs, max_pieces, max_cut = plan_bounds(num_reqs, head_groups, max_seq_len, slots,
-                                                block_n, min_chunk, forced)
-    work = torch.empty(programs, WORK, dtype=torch.int32, device=seq_lens.device)
-    cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=seq_lens.device)
+    programs, rows, max_pieces, max_cut = plan_bounds(
+        num_reqs, head_groups, max_seq_len, slots, block_n, min_chunk, forced, persistent)
+    device = seq_lens.device
+    work = torch.empty(rows, WORK, dtype=torch.int32, device=device)
+    cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=device)
+    starts = torch.empty(programs + 1, dtype=torch.int32, device=device)
     _plan_kernel[(1,)](
-        seq_lens, query_start_loc, work, cut,
-        num_reqs, programs, max_pieces, max_cut, head_groups, slots, int(forced or 0),
+        seq_lens, query_start_loc, work, cut, starts,
+        num_reqs, programs, rows, max_pieces, max_cut, head_groups, slots, int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
-        BLOCK_S=next_pow2(max_pieces), BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B,
-        BLOCK_P=_BLOCK_P, num_warps=8,
+        PERSISTENT=rows > programs, STREAM=STREAM_TILES, BLOCK_S=next_pow2(max_pieces),
+        BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
+        num_warps=8,
     )
-    return SplitPlan(work, cut, programs, max_pieces)
+    return SplitPlan(work, cut, starts, programs, max_pieces)
