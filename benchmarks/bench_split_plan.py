@@ -2,11 +2,13 @@
 
 A uniform batch of a few more requests than one wave of programs (132 SMs on an H200,
 N = 16) would run its last requests as a second wave as long as the first; the plan
-cuts such batches into finer pieces instead (`split_plan`: uniform pieces, or whole
-waves of pieces of two sizes). This times the decode (stage 1 and the combine,
-CUDA-graph replays, as the kernel benchmark times its decode rows) under the plan's own
-choice and under 1-4 forced pieces per request (`num_splits`, which widens the grid),
-to check the plan's choice against the best uniform cut; `pieces` is the plan's count.
+cuts such batches finer instead (`split_plan`: with the 16-row bf16 kernel, even runs
+of the batch's tiles in one wave of persistent programs where they beat whole
+requests; with the others, uniform pieces or whole waves of pieces of two sizes). This
+times the decode (stage 1 and the combine, CUDA-graph replays, as the kernel benchmark
+times its decode rows) under the plan's own choice and under 1-4 forced pieces per
+request (`num_splits`, which widens the grid and is never persistent), to check the
+plan's choice against the best uniform cut; `pieces` is the plan's count.
 One row pads 132 requests with 12 empty ones, as an engine's graph does: there the
 plan's choice should match one piece. The last rows are ragged. --cache fp8 times the
 fp8 cache.
@@ -27,7 +29,8 @@ from pagedmla.ops.triton.decode import mla_decode
 # (batch, context, lengths or None for uniform)
 SHAPES = [(128, 1088, None), (144, 1088, [1088] * 132 + [0] * 12), (133, 1088, None),
           (140, 1088, None), (170, 1088, None), (200, 1088, None), (140, 2048, None),
-          (140, 4096, None), (170, 4096, None), (200, 4096, None), (256, 4096, None),
+          (140, 4096, None), (170, 4096, None), (200, 4096, None), (220, 4096, None),
+          (240, 4096, None), (256, 4096, None),
           (300, 4096, None), (140, 8192, None), (170, 8192, None),
           (140, 4096, [4096, 2048] * 70), (152, 4096, [1088] * 132 + [0] * 12 + [4096] * 8)]
 SPLITS = (None, 1, 2, 3, 4)  # None: the plan's choice
