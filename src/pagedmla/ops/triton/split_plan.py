@@ -251,29 +251,30 @@ def _plan_kernel(
     if PERSISTENT:
         runs = (slots + head_groups - 1) // head_groups  # one wave of programs
         share = tl.maximum(tl.cdiv(total + empty, runs), 1)
-        stream = past_wave & (forced == 0) & ((share + STREAM).to(tl.float32) < best)
-    else:
-        stream = False
-    if stream:
-        first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-                                   starts_ptr, num_reqs, programs, share, BLOCK_N, BLOCK_J,
-                                   BLOCK_B, BLOCK_P)
+        if past_wave & (forced == 0) & ((share + STREAM).to(tl.float32) < best):
+            first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                       starts_ptr, num_reqs, programs, share, BLOCK_N,
+                                       BLOCK_J, BLOCK_B, BLOCK_P)
+        else:
+            first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                       starts_ptr, num_reqs, programs, whole, total, w_goal,
+                                       tiles, chosen_count, max_pieces, MIN_TILES, BLOCK_N,
+                                       BLOCK_S, BLOCK_B, BLOCK_P)
     else:
         first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-                                   num_reqs, whole, total, w_goal, tiles, chosen_count,
-                                   max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
-        p = tl.arange(0, BLOCK_P)
-        for p0 in range(0, programs + 1, BLOCK_P):
-            tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, first), mask=p0 + p <= programs)
+                                   starts_ptr, num_reqs, programs, whole, total, w_goal,
+                                   tiles, chosen_count, max_pieces, MIN_TILES, BLOCK_N,
+                                   BLOCK_S, BLOCK_B, BLOCK_P)
     _idle_rows(work_ptr, cut_ptr, first, rows, cuts, max_cut, BLOCK_P)
 
 
 @triton.jit
-def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, whole, total,
-                 w_goal, tiles, chosen_count, max_pieces, MIN_TILES: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Write the scored plan's rows (a piece per program) and cut list; returns the
-    pieces and the cut requests.
+def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, num_reqs,
+                 programs, whole, total, w_goal, tiles, chosen_count, max_pieces,
+                 MIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Write the scored plan's rows and cut list, and starts: a piece per program, p for
+    program p; returns the pieces and the cut requests.
 
     Each request in equal whole-tile pieces, as many as the chosen candidate gives it:
     a whole-wave candidate's share (`whole`, of w_goal pieces) or pieces of at most
@@ -314,6 +315,9 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
             at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
             _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None],
                        q_begin[:, None], q_len[:, None], j[None, :] < n[:, None])
+    p = tl.arange(0, BLOCK_P)
+    for p0 in range(0, programs + 1, BLOCK_P):
+        tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, first), mask=p0 + p <= programs)
     return first, cuts
 
 
