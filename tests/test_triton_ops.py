@@ -412,12 +412,13 @@ def _persistent_case(num_heads: int, q_len: int, L: int, block_size: int,
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @TINY_CONFIGS
 def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
-    # A batch past one wave (on the interpreter: 4 programs): the persistent plan runs
-    # several pieces per program, short requests packed into one program, long ones cut
-    # across programs and merged by the combine; q_len 1 and 3 (3 x 8 heads: two head
-    # groups of 16 rows), seq_len 0 requests among them.
+    # A batch past one wave (on the interpreter: 4 programs) by a third of a wave or
+    # more: the persistent plan runs several pieces per program, short requests packed
+    # into one program, long ones cut across programs and merged by the combine; q_len
+    # 1 and 3 (3 x 8 heads: two head groups of 16 rows), seq_len 0 requests among them.
+    extra = max(7, multiprocessor_count(torch.device(DEVICE)) // 3)
     for num_heads, q_len in ((4, 1), (8, 3)):
-        args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, 7, 700,
+        args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, extra, 700,
                                 seed=90 + block_size + q_len)
         plans: dict = {}
         _check_decode(args, torch.float32, config=config, plans=plans)
