@@ -1,17 +1,18 @@
 """Paged latent decode (absorbed MQA) with split-KV, in two Triton kernels.
 
-Stage 1 (`_decode_partial_kernel`), grid (head groups, splits, requests): one program
-takes BLOCK_H query rows of one request (row r is token r // N, head r % N) and one
-slice of its positions. Each [BLOCK_N, L + R] tile of cache rows is loaded once and
-used by every row of the program: as keys (all L + R columns) and, its first L
-columns, as values. That sharing across heads is what makes MQA decode cheap in bytes.
-When a tile lies inside one page (page size a multiple of BLOCK_N) it is copied in bulk
-by the tensor copy engine (TMA): one block-table lookup per tile, the rows landing in
-shared memory where the MMAs read them. Other page sizes (1..128) gather the rows
-through the block table one position at a time. L is handled as two halves (the copy
-engine's boxes are at most 256 wide). Online softmax (base 2) accumulates [BLOCK_H, L]
-in float32. With few heads per program the products are computed transposed (SWAP_AB:
-positions fill the 64-row MMA of Hopper's wgmma instead of padding 16 heads to 64 rows).
+Stage 1 (`_decode_partial_kernel`), grid (head groups, programs): one program takes
+BLOCK_H query rows of one request (row r is token r // N, head r % N) and one slice of
+its positions, a piece (or a run of pieces one after another, in a persistent plan).
+Each [BLOCK_N, L + R] tile of cache rows is loaded once and used by every row of the
+program: as keys (all L + R columns) and, its first L columns, as values. That sharing
+across heads is what makes MQA decode cheap in bytes. When a tile lies inside one page
+(page size a multiple of BLOCK_N) it is copied in bulk by the tensor copy engine (TMA):
+one block-table lookup per tile, the rows landing in shared memory where the MMAs read
+them. Other page sizes (1..128) gather the rows through the block table one position at
+a time. L is handled as two halves (the copy engine's boxes are at most 256 wide).
+Online softmax (base 2) accumulates [BLOCK_H, L] in float32. With few heads per program
+the products are computed transposed (SWAP_AB: positions fill the 64-row MMA of Hopper's
+wgmma instead of padding 16 heads to 64 rows).
 
 On a Hopper GPU, stage 1 runs as a warp-specialized Gluon kernel instead, with the same
 outputs: `decode_hopper` for at most 16 query rows per request (the memory-bound
@@ -27,8 +28,9 @@ the final output and stage 2 is skipped.
 How each request is cut into pieces (split-KV) is planned on the device from the
 actual lengths (`split_plan`): one tiny kernel, no value read back, so a decode step never
 synchronises and can be captured in a CUDA graph, and the plan follows the lengths of
-every replay. Stage 1's grid is (head groups, pieces); a request left whole gets its
-final output from stage 1, and the combine skips it.
+every replay. Stage 1's grid is (head groups, programs), each program's pieces given by
+the plan; a request left whole gets its final output from stage 1, and the combine
+skips it.
 """
 
 from __future__ import annotations

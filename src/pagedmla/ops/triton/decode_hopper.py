@@ -1,8 +1,9 @@
 """Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
 
-Same contract as `decode._decode_partial_kernel` (one program per head group and piece
-of a request; final output or float32 partials plus lse), for the memory-bound regime: at
-most BLOCK_H = 16 query rows per request, page size a multiple of 8, 64-row tiles.
+Same contract as `decode._decode_partial_kernel` (a program per head group and piece of
+a request, or per run of pieces in a persistent plan; final output or float32 partials
+plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per request,
+page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
 instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits
@@ -20,6 +21,11 @@ so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
 
 Rows at or past the slice end may hold NaN (slots past seq_len), and 0 x NaN reaches
 the output: the slice's last, partial tile is zeroed there, in place.
+
+In a persistent plan (`split_plan`) a program runs several pieces one after the other:
+the producer goes on to the next piece's tiles as soon as ring buffers free up (the
+ring's count runs on across pieces), while the consumer stores a piece's result and
+loads the next piece's q over the last.
 
 An fp8 cache takes `decode_hopper_fp8` instead (products on e4m3 codes). The program's
 slice, the ring, the q load, the producer, the e4m3 widening, the tail zeroing and the

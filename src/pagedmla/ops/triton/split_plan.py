@@ -1,11 +1,12 @@
 """How a decode batch is cut into pieces for split-KV, decided on the device.
 
-Stage 1 of `decode.mla_decode` runs one program per (head group, piece), a piece being
-a slice of one request's positions; the combine then folds each request's pieces by
-log-sum-exp. How to cut is decided here from the batch's actual lengths, by one small
-kernel, because the host knows only bounds (batch size, max_seq_len): a CUDA graph
-captured with short contexts must stay fast when replayed with long ones, and one long
-request among short ones must not leave a few multiprocessors doing all its work.
+Stage 1 of `decode.mla_decode` runs a program per head group and piece, a piece being a
+slice of one request's positions (or per run of pieces, in the persistent plan below);
+the combine then folds each request's pieces by log-sum-exp. How to cut is decided here
+from the batch's actual lengths, by one small kernel, because the host knows only bounds
+(batch size, max_seq_len): a CUDA graph captured with short contexts must stay fast when
+replayed with long ones, and one long request among short ones must not leave a few
+multiprocessors doing all its work.
 
 The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, t_max
 the longest. Every request is cut into pieces of at most T tiles, one T for the whole
@@ -45,15 +46,31 @@ first, 183 with them last, 193 interleaved); bigger first is longest-first list
 scheduling, as the GPU starts programs in order as SMs free up, and an event model of
 that dispatch prefers it on ragged batches.
 
-The plan is two int32 tensors of WORK-field rows: `work`, one row per stage-1 program
-(request, first position, end position, the request's piece count, and the request's
-seq_len, first token and q_len, so that a program learns its work in one round trip),
-request -1 for programs past the last piece; and `cut`, one row per request cut in more
-than one piece (request, its first program, its piece count, ...), which the combine
-runs over, so that a batch none of whose requests is cut costs it next to nothing. A
-request's pieces are consecutive programs (the requests in the order above), so each
-of its query rows has its partials side by side in the partial buffer ([token, head,
-program, L]).
+The persistent plan. Pieces that run as separate programs each pay a start (the work
+row, q, the first copy's latency) on an SM that had been streaming, and programs
+finish unevenly. A stage-1 kernel that runs a run of pieces in one program (the 16-row
+bf16 kernel, `decode_hopper`, whose copy ring goes on from one piece to the next, and
+the Triton kernel) allows the even split instead: the batch's tiles in request order,
+an empty request weighing one, are cut into runs of share = ceil(tiles / W) for one
+wave of W = slots / head_groups programs, and program p takes the pieces (one per
+request its run meets) of tiles [p share, (p + 1) share). It costs its even share plus
+STREAM tiles (the combine of the requests it cuts, a piece's start where a run meets a
+request), and is taken past one wave of requests where that beats the scored plan's
+best, which within its grid (a program per request) is whole requests: a uniform batch
+whose last wave is nearly full keeps them (H200, N = 16: 256 x 4k whole 288.8 us,
+persistent 299.1), one just past a wave does not (140 x 4k: 178.9 us, the whole-wave
+plan 184.6).
+
+The plan is three int32 tensors: `work`, WORK-field rows, one per piece (request, first
+position, end position, the request's piece count, and the request's seq_len, first
+token and q_len, so that a program learns its work in one round trip), request -1 for
+rows past the last piece; `starts`, program p's pieces being rows starts[p] ..
+starts[p + 1] - 1 (row p alone, or none, but in the persistent plan); and `cut`, one
+WORK-field row per request cut in more than one piece (request, its first row, its
+piece count, ...), which the combine runs over, so that a batch none of whose requests
+is cut costs it next to nothing. A request's pieces are consecutive rows (the requests
+in the order above), so each of its query rows has its partials side by side in the
+partial buffer ([token, head, row, L]).
 """
 
 from __future__ import annotations
