@@ -475,12 +475,17 @@ def plan_splits(
     work = torch.empty(rows, WORK, dtype=torch.int32, device=device)
     cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=device)
     starts = torch.empty(programs + 1, dtype=torch.int32, device=device)
+    persistent = rows > programs
+    # With the persistent plan's grid (a program per request) the scored plan can only
+    # keep every request whole: its candidates need no more than one piece each.
+    scored_pieces = 1 if persistent else max_pieces
     _plan_kernel[(1,)](
         seq_lens, query_start_loc, work, cut, starts,
-        num_reqs, programs, rows, max_pieces, max_cut, head_groups, slots, int(forced or 0),
+        num_reqs, programs, rows, scored_pieces, max_cut, head_groups, slots,
+        int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
-        PERSISTENT=rows > programs, STREAM=STREAM_TILES, BLOCK_S=next_pow2(max_pieces),
+        PERSISTENT=persistent, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
         BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
         num_warps=8,
     )
