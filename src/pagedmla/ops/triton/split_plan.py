@@ -427,9 +427,11 @@ def plan_bounds(
     (its pieces), which are the programs but where a persistent plan may be made: for a
     kernel that runs several pieces per program (`persistent`) and a batch of more rows
     than one wave of programs (slots / head_groups = W), a CUDA graph's padding among
-    them. There the grid is a program per request (the scored plan's whole requests,
-    or a wave's pieces when the padding leaves a wave of requests or fewer) and the
-    rows the batch plus W (the persistent plan's runs of W programs). Else one wave's
+    them. There the grid is a program per request (the scored plan then keeps every
+    request whole, also where padding leaves a wave of live requests or fewer, which
+    it would cut to fill the wave with a wider grid: a CUDA graph of more than W rows
+    is taken by batches of more than the next smaller graph, 128 in the engine) and
+    the rows the batch plus W (the persistent plan's runs of W programs). Else one wave's
     worth of programs or, for a batch larger than a wave, the batch plus room for cut
     pieces: EXTRA_WAVES waves where the batch's last wave is filled less than
     LONE_WAVE, one wave else. max_pieces: the most pieces a request can get
