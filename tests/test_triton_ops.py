@@ -535,6 +535,16 @@ def test_split_plan_uniform_batches() -> None:
     assert len(work) == 3 and plan.max_pieces == 1
 
 
+def _random_lens(gen: torch.Generator, fewest: int) -> list[int]:
+    """A random batch of fewest..300 requests, lengths 0-200k from a heavy-tailed mix
+    (uniform below a random power of ten per request), the first at least 1."""
+    batch = int(torch.randint(fewest, 301, (), generator=gen))
+    scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
+    lens = (torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist()
+    lens[0] = max(lens[0], 1)
+    return lens
+
+
 @runnable
 def test_split_plan_on_random_batches() -> None:
     # Fresh random batches (sizes 1-300, lengths 0-200k from a heavy-tailed mix, 1-4 head
@@ -545,11 +555,7 @@ def test_split_plan_on_random_batches() -> None:
     gen = torch.Generator().manual_seed(seed)
     cfg16 = DECODE_CONFIGS["rows16"]
     for _ in range(12):
-        batch = int(torch.randint(1, 301, (), generator=gen))
-        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
-        lens = (torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist()
-        if max(lens) == 0:
-            lens[0] = 1
+        lens = _random_lens(gen, 1)
         groups = int(torch.randint(1, 5, (), generator=gen))
         slots = 4 if torch.rand((), generator=gen) < 0.3 else 132
         _plan(lens, groups, slots, cfg16)
@@ -636,11 +642,7 @@ def test_split_plan_prices_waves_as_documented() -> None:
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     for _ in range(10):
-        batch = int(torch.randint(1, 301, (), generator=gen))
-        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
-        lens = (torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist()
-        lens[0] = max(lens[0], 1)
-        cases.append((lens, int(torch.randint(1, 3, (), generator=gen))))
+        cases.append((_random_lens(gen, 1), int(torch.randint(1, 3, (), generator=gen))))
     checked = 0
     for lens, groups in cases:
         plan, work = _plan(lens, groups, 132, cfg16)
@@ -717,9 +719,7 @@ def test_split_plan_persistent_runs() -> None:
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     for _ in range(6):
-        batch = int(torch.randint(133, 301, (), generator=gen))
-        scale = 10 ** torch.randint(1, 6, (batch,), generator=gen).float()
-        cases.append((torch.rand(batch, generator=gen) * scale).long().clamp(max=200_000).tolist())
+        cases.append(_random_lens(gen, 133))
     kinds = set()
     for lens in cases:
         plan, work = _plan(lens, 1, 132, cfg16, persistent=True)

@@ -265,6 +265,9 @@ def _plan_kernel(
     w_goal = tl.min(tl.where(w_near & (w_count == w_fewest), goal, 2**30), 0)
     chosen_count = tl.where(whole, w_fewest, tl.sum(tl.where(s == chosen, count, 0), 0))
 
+    # (The scored rows are written from two places: a flag bound under the constexpr
+    # and branched on after it keeps the persistent branch, and its unbound `share`, in
+    # the compiled kernel of a non-persistent plan.)
     if PERSISTENT:
         runs = (slots + head_groups - 1) // head_groups  # one wave of programs
         share = tl.maximum(tl.cdiv(total + empty, runs), 1)
