@@ -910,8 +910,11 @@ def markdown(ceil: dict[str, float], rows: list[dict]) -> str:
 
 def write_plots(report: dict, directory: str) -> list[str]:
     """PNG plots of a report: decode bandwidth against the HBM ceiling, and TFLOP/s of
-    decode and prefill against the bf16 matmul ceiling. Needs matplotlib."""
+    decode and prefill against the bf16 matmul ceiling, into `directory` (made if
+    missing). Needs matplotlib."""
     import matplotlib
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
