@@ -59,8 +59,10 @@ pytest.importorskip("triton")
 
 import itertools
 
-from pagedmla.ops.triton import decode as decode_module
+import triton
+
 from pagedmla.ops.triton import (
+    _utils,
     gather_cache,
     merge_attn_states,
     mla_decode,
@@ -68,7 +70,15 @@ from pagedmla.ops.triton import (
     varlen_attention,
     write_cache,
 )
-from pagedmla.ops.triton._utils import GRID_YZ_MAX, INTERPRETED, cdiv, multiprocessor_count
+from pagedmla.ops.triton import decode as decode_module
+from pagedmla.ops.triton._utils import (
+    GRID_YZ_MAX,
+    INTERPRETED,
+    cdiv,
+    gluon_builds,
+    gluon_modules,
+    multiprocessor_count,
+)
 from pagedmla.ops.triton.decode import (
     DECODE_CONFIGS,
     FEW_REQUESTS,
@@ -100,9 +110,10 @@ runnable = pytest.mark.skipif(
 )
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 hopper = pytest.mark.skipif(
-    not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9,
+    not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9
+    or not gluon_builds(triton.__version__),
     reason="the warp-specialized Gluon kernels (decode_hopper*, prefill_hopper) need a "
-    "Hopper GPU")
+    "Hopper GPU and the Triton release they are written for (_utils.GLUON_TRITON)")
 
 # Small tiles so that tiny interpreter shapes still cross many tiles, pages and splits.
 TINY_DECODE = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, min_chunk=16,
@@ -1245,6 +1256,34 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
     kernel = decode_hopper_fp8 if cache == "fp8" else decode_hopper
     assert hopper_kernel(args[0], args[1], num_heads * max(q_lens), 512) is kernel
     _check_hopper_decode(args, num_heads * max(q_lens), cache == "fp8", num_splits)
+
+
+def test_gluon_kernels_only_with_their_triton_release(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    # Gluon's API changes with each Triton release and the Gluon kernels are written for
+    # one (_utils.GLUON_TRITON): built for sm_90a, they fail with 3.5, 3.7, 3.8 and 3.9
+    # (benchmarks/compile_sm90.py). On a Hopper GPU with another release the Triton
+    # kernels run, after one warning, instead of a compile error at the first call.
+    major, minor = _utils.GLUON_TRITON
+    assert gluon_builds(f"{major}.{minor}.0") and gluon_builds(f"{major}.{minor}.1+git5d9c6c3")
+    for other in ("3.5.1", "3.7.0", "3.8.0", "3.9.0", "3.10.0", "4.6.0"):
+        assert not gluon_builds(other)
+    from pagedmla.ops.triton import split_plan
+
+    hopper_gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(_utils, "INTERPRETED", False)
+    monkeypatch.setattr(_utils, "is_hopper", lambda device: True)
+    gluon_modules.cache_clear()
+    _utils._warn_no_gluon.cache_clear()
+    try:
+        monkeypatch.setattr(triton, "__version__", "3.9.0")
+        with pytest.warns(RuntimeWarning, match=r"Triton 3\.9\.0 is installed"):
+            assert gluon_modules(hopper_gpu, "split_plan") is None
+        monkeypatch.setattr(triton, "__version__", f"{major}.{minor}.0")
+        gluon_modules.cache_clear()  # (the answer is kept per device and names)
+        assert gluon_modules(hopper_gpu, "split_plan") == (split_plan,)
+    finally:
+        gluon_modules.cache_clear()
 
 
 @pytest.mark.cuda

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
+import triton
 
 # Triton decides interpreter or compiler when a kernel is decorated (module import),
 # so the mode is read once here, at the same moment.
@@ -20,6 +22,13 @@ GRID_YZ_MAX = 65535
 # Multiprocessors assumed for CPU tensors under the interpreter: small, so that the
 # split planner still produces several splits on tiny test shapes.
 _INTERPRETER_SMS = 4
+
+# The Triton release (major, minor) the Gluon kernels are written for. Gluon's API is
+# experimental and changes with each release: built for sm_90a without a GPU
+# (benchmarks/compile_sm90.py, session 38), the kernels fail with 3.5 (no
+# `gl.num_warps`), 3.7 and 3.8 (no `gl.thread_barrier`) and 3.9 (the bulk copies
+# renamed). With any other release the Triton kernels run on Hopper too.
+GLUON_TRITON = (3, 6)
 
 
 def next_pow2(n: int) -> int:
@@ -81,12 +90,33 @@ def is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and _properties(device).major == 9
 
 
+def gluon_builds(version: str) -> bool:
+    """Whether the Gluon kernels build with Triton `version` (as `triton.__version__`
+    gives it: "3.6.0", "3.6.0+git1234"): its release is GLUON_TRITON."""
+    major, minor = version.split(".")[:2]
+    return (int(major), int(minor)) == GLUON_TRITON
+
+
+@functools.cache  # once per process
+def _warn_no_gluon(version: str) -> None:
+    warnings.warn(
+        f"pagedmla: the Hopper (Gluon) kernels are written for Triton "
+        f"{GLUON_TRITON[0]}.{GLUON_TRITON[1]}, and Triton {version} is installed: the "
+        "portable Triton kernels run instead, slower (pip install "
+        f"'triton=={GLUON_TRITON[0]}.{GLUON_TRITON[1]}.*' for the fast ones)",
+        RuntimeWarning, stacklevel=3)
+
+
 @functools.cache  # asked on every decode and prefill call
 def gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...] | None:
     """The Gluon kernel modules `names` of this package where they can run on `device`:
     None off Hopper, under the interpreter (it does not run Gluon), or where the
-    installed Triton lacks Gluon."""
+    installed Triton lacks Gluon or is a release they do not build with
+    (`gluon_builds`; warned once)."""
     if INTERPRETED or not is_hopper(device):
+        return None
+    if not gluon_builds(triton.__version__):
+        _warn_no_gluon(triton.__version__)
         return None
     try:
         return tuple(importlib.import_module(f"{__package__}.{name}") for name in names)

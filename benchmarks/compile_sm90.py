@@ -1,0 +1,163 @@
+"""Compile the decode kernels for sm_90a on a machine without a GPU, and report what ptxas
+says of each: shared memory, registers, spilled bytes.
+
+The Triton interpreter runs the Triton kernels on the CPU but not the Gluon ones, and
+neither it nor a CPU test sees what the compiler makes of a kernel: a Gluon kernel that
+does not build for Hopper, or one whose warp partitions spill registers (loads of spilled
+values inside a tile loop cost the fp8 kernel 20%, session 38). This builds every path
+`decode.mla_decode` can take on an H200 (the 16-row bf16 and fp8 kernels, one piece per
+program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the Triton
+kernel; the plan and the combine) and both prefill kernels, from CPU tensors, with a
+stand-in for the CUDA driver that reports an sm_90a target and turns every launch into
+a compile-only warm-up.
+Run it with the Triton the GPU machine has (3.6 for the H200 here): other versions
+compile other code, and the Gluon kernels build with one release only
+(`_utils.GLUON_TRITON`: with 3.5, 3.7, 3.8 and 3.9 they fail here, which is how that
+was found); a path that does not build is reported as such.
+
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.backends.nvidia.driver import ty_to_cpp
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+COMPILED: list[tuple[str, Any]] = []  # (kernel name, compiled kernel), in launch order
+
+
+class _Sm90Driver:
+    """The parts of Triton's CUDA driver that compiling asks for: an sm_90a target on
+    device 0, stream 0."""
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty_to_cpp(ty)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _compile_only(self: JITFunction, grid: Any) -> Callable[..., Any]:
+    """`kernel[grid]` as a warm-up: compile for the current target, launch nothing."""
+
+    def warmup(*args: Any, **kwargs: Any) -> Any:
+        kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
+        COMPILED.append((self.fn.__name__, kernel))
+        return kernel
+
+    return warmup
+
+
+def ptxas_report(kernel: Any) -> tuple[int, int]:
+    """(registers, spilled bytes) of a compiled kernel, from `ptxas -v` on its PTX (the
+    ptxas this Triton compiles sm_90a with)."""
+    ptxas = get_ptxas(90).path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
+
+
+def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
+                   page: int = 64, gluon: bool = True) -> None:
+    """Build `mla_decode`'s kernels for a batch of `batch` requests of `context`
+    positions each, N = heads, DeepSeek widths; gluon=False takes the Triton kernel."""
+    from pagedmla.cache import FP8_DTYPE
+    from pagedmla.ops.triton import decode, decode_hopper, decode_hopper_fp8, decode_hopper_heads
+
+    modules = (decode_hopper_fp8, decode_hopper, decode_hopper_heads) if gluon else ()
+    decode.hopper_kernel = lambda q, data, rows, L: next(
+        (m for m in modules if m.supported(q, data, rows, L)), None)
+    L, R = 512, 64
+    blocks = batch * (context // page + 2)
+    data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
+    q = torch.zeros(batch, heads, L + R, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    decode.mla_decode(q, data.to(FP8_DTYPE) if fp8 else data, torch.ones(()), table, seq_lens,
+                      starts, 1, context, L, (L + R) ** -0.5)
+
+
+def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: bool = True
+                    ) -> None:
+    """Build `prefill.varlen_attention`'s kernel for one causal sequence of `tokens`
+    tokens, N = heads; gluon=False takes the Triton kernel."""
+    from pagedmla.ops.triton import prefill, prefill_hopper
+
+    prefill.hopper_kernel = lambda q, k, v, scale: (
+        prefill_hopper if gluon and prefill_hopper.supported(q, k, v, scale) else None)
+    q = torch.zeros(tokens, heads, qk_dim, dtype=torch.bfloat16)
+    v = torch.zeros(tokens, heads, v_dim, dtype=torch.bfloat16)
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    config = None if gluon else prefill.pick_config(qk_dim, v_dim, q.dtype)
+    prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True,
+                             config=config)
+
+
+def main() -> None:
+    driver.set_active(_Sm90Driver())
+    JITFunction.__getitem__ = _compile_only
+    from pagedmla.ops.triton import decode, prefill, prefill_hopper
+
+    # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
+    decode.check_device = prefill.check_device = lambda *tensors: None
+    decode.multiprocessor_count = lambda device: 132
+    prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
+    decode.INTERPRETED = False
+    cases = [  # (label, batch, heads, context, fp8, page, gluon)
+        ("bf16 16 rows, one wave", 64, 16, 8192, False, 64, True),
+        ("bf16 16 rows, persistent runs", 200, 16, 4096, False, 64, True),
+        ("bf16 16 rows, pages of 16", 64, 16, 8192, False, 16, True),
+        ("fp8 16 rows", 64, 16, 8192, True, 64, True),
+        ("fp8 2 x 16 rows", 8, 32, 4096, True, 64, True),
+        ("bf16 64 rows", 1, 128, 65536, False, 64, True),
+        ("fp8 64 rows", 4, 128, 4096, True, 64, True),
+        ("Triton kernel, persistent runs", 200, 16, 4096, False, 64, False),
+    ]
+    print("| path | kernel | shared bytes | registers | spilled bytes |")
+    print("|---|---|---:|---:|---:|")
+    builds = [(label, compile_decode, args) for label, *args in cases]
+    builds += [("prefill 192 / 128", compile_prefill, (4096, 16, 192, 128, True)),
+               ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False))]
+    for label, build, args in builds:
+        done = len(COMPILED)
+        try:
+            build(*args)
+        except Exception as error:  # a kernel that does not build with this Triton
+            while error.__cause__ is not None:  # the compiler's own error, not its trace
+                error = error.__cause__
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
+            print(f"| {label} | does not build: {reason} | | | |", flush=True)
+        for name, kernel in COMPILED[done:]:
+            registers, spills = ptxas_report(kernel)
+            print(f"| {label} | {name} | {kernel.metadata.shared} | {registers} | {spills} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
