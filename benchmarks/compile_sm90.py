@@ -20,11 +20,13 @@ was found); a path that does not build is reported as such.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
 import tempfile
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -82,16 +84,20 @@ def ptxas_report(kernel: Any) -> tuple[int, int]:
     return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
 
 
+def _gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...]:
+    """`_utils.gluon_modules` as on an H200 with the Triton it was written for, for CPU
+    tensors: the modules, whatever the device and Triton release."""
+    return tuple(importlib.import_module(f"pagedmla.ops.triton.{name}") for name in names)
+
+
 def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
                    page: int = 64, gluon: bool = True) -> None:
     """Build `mla_decode`'s kernels for a batch of `batch` requests of `context`
     positions each, N = heads, DeepSeek widths; gluon=False takes the Triton kernel."""
     from pagedmla.cache import FP8_DTYPE
-    from pagedmla.ops.triton import decode, decode_hopper, decode_hopper_fp8, decode_hopper_heads
+    from pagedmla.ops.triton import decode
 
-    modules = (decode_hopper_fp8, decode_hopper, decode_hopper_heads) if gluon else ()
-    decode.hopper_kernel = lambda q, data, rows, L: next(
-        (m for m in modules if m.supported(q, data, rows, L)), None)
+    decode.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
     L, R = 512, 64
     blocks = batch * (context // page + 2)
     data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
@@ -107,16 +113,13 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
                     ) -> None:
     """Build `prefill.varlen_attention`'s kernel for one causal sequence of `tokens`
     tokens, N = heads; gluon=False takes the Triton kernel."""
-    from pagedmla.ops.triton import prefill, prefill_hopper
+    from pagedmla.ops.triton import prefill
 
-    prefill.hopper_kernel = lambda q, k, v, scale: (
-        prefill_hopper if gluon and prefill_hopper.supported(q, k, v, scale) else None)
+    prefill.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
     q = torch.zeros(tokens, heads, qk_dim, dtype=torch.bfloat16)
     v = torch.zeros(tokens, heads, v_dim, dtype=torch.bfloat16)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
-    config = None if gluon else prefill.pick_config(qk_dim, v_dim, q.dtype)
-    prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True,
-                             config=config)
+    prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True)
 
 
 def main() -> None:

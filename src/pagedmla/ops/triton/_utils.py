@@ -97,13 +97,13 @@ def gluon_builds(version: str) -> bool:
     return (int(major), int(minor)) == GLUON_TRITON
 
 
-@functools.cache  # once per process
+@functools.cache  # once per process (and installed version)
 def _warn_no_gluon(version: str) -> None:
+    release = ".".join(map(str, GLUON_TRITON))
     warnings.warn(
-        f"pagedmla: the Hopper (Gluon) kernels are written for Triton "
-        f"{GLUON_TRITON[0]}.{GLUON_TRITON[1]}, and Triton {version} is installed: the "
-        "portable Triton kernels run instead, slower (pip install "
-        f"'triton=={GLUON_TRITON[0]}.{GLUON_TRITON[1]}.*' for the fast ones)",
+        f"pagedmla: the Hopper (Gluon) kernels are written for Triton {release}, and "
+        f"Triton {version} is installed: the portable Triton kernels run instead, slower "
+        f"(pip install 'triton=={release}.*' for the fast ones)",
         RuntimeWarning, stacklevel=3)
 
 
