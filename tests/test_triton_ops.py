@@ -100,6 +100,10 @@ from pagedmla.ops.triton.split_plan import (
 )
 
 HAS_CUDA = torch.cuda.is_available()
+# A piece's cost past one wave for a kernel bound by its own chains, in tiles, as the fp8
+# 16-row kernel declares it (decode_hopper_fp8.PAST_WAVE_TILES; a Gluon module, not
+# imported by the CPU tests): the plan's rule under it.
+FP8_PAST_WAVE = 2
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
 
@@ -265,6 +269,27 @@ def test_decode_many_pieces_merge_in_chunks(monkeypatch: pytest.MonkeyPatch) -> 
     args = _decode_case([1, 1], [1600, 40], 16, 64, 16, 16, torch.float32, torch.float32,
                         seed=33)
     _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=100)
+
+
+@runnable
+def test_decode_combine_grid_smaller_than_its_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The combine's grid covering two entries at once, so that its programs merge the
+    # same row of every other cut request in turn (`combine_entries`) and stop at the
+    # plan's first idle cut row. Requests of 1-3 tokens, cut in 1-3 pieces.
+    monkeypatch.setattr(decode_module, "combine_entries", lambda *_: 2)
+    args = _decode_case([1, 3, 2, 1, 2], [150, 190, 40, 2, 120], 4, 64, 16, 16,
+                        torch.float32, torch.float32, seed=36)
+    _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=3)
+
+
+def test_combine_entries_cap_the_grid_not_the_work() -> None:
+    # 32 programs per SM on 132 SMs: entries of 128 rows (N = 128), 100 of them a bound
+    # past one wave, 33 at once; 131 entries of 16 rows (N = 16) fit whole; at least
+    # one entry always.
+    assert decode_module.COMBINE_PROGRAMS_PER_SM == 32
+    assert decode_module.combine_entries(128, 100, 132) == 33
+    assert decode_module.combine_entries(16, 131, 132) == 131
+    assert decode_module.combine_entries(16384, 3, 132) == 1
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf])
@@ -455,7 +480,7 @@ def test_decode_few_requests_take_shorter_pieces() -> None:
 
 
 def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-          forced: int | None = None, persistent: bool = False,
+          forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
           ) -> tuple[SplitPlan, list[list[int]]]:
     """A plan for lengths `lens` (one query token each), checked for what every plan must
     be: each request's positions [0, len) covered by its pieces in order, each piece of
@@ -465,7 +490,8 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent plan)."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
-                       cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent)
+                       cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent,
+                       past_overhead)
     work = plan.work.tolist()
     starts = plan.starts.tolist()
     assert len(starts) == plan.programs + 1 and starts[0] == 0
@@ -523,23 +549,26 @@ def test_split_plan_uniform_batches() -> None:
     plan, work = _plan([4096] * 256, 1, 132, cfg16)
     assert len(work) == 256 and plan.programs == 256 + 132
     # Just past a wave, a second wave of whole requests would run 8 of them alone for
-    # as long as the first: every request is cut, into 3 or 4 pieces so that the pieces
-    # fill four waves (140 x 4k on an H200: 233 us whole, 192 in four pieces each, 182
-    # in this layout).
-    plan, work = _plan([4096] * 140, 1, 132, cfg16)
+    # as long as the first: every request is cut, into 2 or 3 pieces so that the pieces
+    # fill three waves. Past a wave the fp8 16-row kernel (one piece per program) pays
+    # each piece's start (its PAST_WAVE_TILES; 140 x 4k on an H200: 148.8 us whole,
+    # 124.6 in four waves of 3 or 4 pieces per request as without it, 120.1 in this
+    # layout).
+    plan, work = _plan([4096] * 140, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
     assert plan.programs == 140 + EXTRA_WAVES * 132
-    assert sorted(set(_pieces(work))) == [3, 4] and len(work) == 4 * 132
-    assert max(_tiles(w, 64) for w in work) == 22
-    # The bigger pieces (3 per request) take the first programs, the smaller ones the
-    # last, not interleaved (182 us so, 193 interleaved).
-    assert [w[3] for w in work[:96]] == [3] * 96
-    # The same for short requests (133 x 1088: 75 us whole, 69 in three waves of 2 or 3
-    # pieces per request).
-    plan, work = _plan([1088] * 133, 1, 132, cfg16)
     assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
-    # 200 requests fill their second wave half-way: whole requests (245 us) beat two
-    # and three pieces (273, 252).
-    plan, work = _plan([4096] * 200, 1, 132, cfg16)
+    assert max(_tiles(w, 64) for w in work) == 32
+    # The bigger pieces (2 per request) take the first programs, the smaller ones the
+    # last, not interleaved (bf16, 140 x 4k in 3 or 4 pieces: 182 us so, 193
+    # interleaved).
+    assert [w[3] for w in work[:48]] == [2] * 48 and work[48][3] == 3
+    # The same for short requests, three waves of 2 or 3 pieces per request (the rule's
+    # choice, 2% slower than whole ones here: fp8, 133 x 1088, 56.5 us against 55.3).
+    plan, work = _plan([1088] * 133, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
+    assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
+    # 200 requests fill their second wave half-way: whole requests (fp8: 155.0 us)
+    # beat two and three pieces (169.9, 164.5).
+    plan, work = _plan([4096] * 200, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
     assert len(work) == 200
     # Pieces never go below min_chunk positions: short requests stay whole.
     plan, work = _plan([100, 0, 255], 1, 132, cfg16)
@@ -573,18 +602,20 @@ def test_split_plan_on_random_batches() -> None:
 
 
 def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int) -> list[int] | None:
+                 programs: int, max_pieces: int, past_overhead: int = 0) -> list[int] | None:
     """Each request's piece count by the rule `split_plan`'s docstring states, worked
     out here in float64 within the plan's bounds (programs, max_pieces); None where two
     candidates sit at the 3% margin, which float32 may round either way."""
-    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces)
+    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces, past_overhead)
     return None if choice is None else choice[1]
 
 
 def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int) -> tuple[float, list[int]] | None:
+                 programs: int, max_pieces: int, past_overhead: int = 0,
+                 ) -> tuple[float, list[int]] | None:
     """(the cheapest candidate's cost, the chosen candidate's piece counts) of
-    `_rule_pieces`, or None as there."""
+    `_rule_pieces`, or None as there. past_overhead: the stage-1 kernel's cost of a
+    piece past one wave (`plan_splits`)."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
     live = len(tiles) - empty
@@ -605,7 +636,8 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
         layout = [evened(t, -(-t // size)) for t in tiles]
         count = sum(layout) - empty
         if count + empty <= programs:
-            overhead = (0 if past_wave else OVERHEAD_TILES) + (partial if count > live else 0)
+            overhead = ((past_overhead if past_wave else OVERHEAD_TILES)
+                        + (partial if count > live else 0))
             candidates.append((waves(count) * (size + overhead), count, 0, layout))
     total, goal = sum(tiles), -(-slots // head_groups)
     for k in range(1, WHOLE_WAVES + 1) if past_wave else ():
@@ -618,7 +650,8 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
         if count + empty <= programs:
             mean = total / count
             largest = max(-(-t // n) for t, n in zip(tiles, layout) if t)
-            cost = waves(count) * (mean + (partial if count > live else 0)) + largest - mean
+            per_piece = past_overhead + (partial if count > live else 0)
+            cost = waves(count) * (mean + per_piece) + largest - mean
             candidates.append((cost, count, 1, layout))
     best = min(c[0] for c in candidates)
     if any(abs(c[0] * 0.97 - best) < 1e-5 * best for c in candidates):
@@ -640,11 +673,13 @@ def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[i
 
 
 @runnable
-def test_split_plan_prices_waves_as_documented() -> None:
+@pytest.mark.parametrize("past_overhead", [0, FP8_PAST_WAVE])
+def test_split_plan_prices_waves_as_documented(past_overhead: int) -> None:
     # The plan kernel's choices (each request's pieces, the requests' order) against the
     # rule worked out in Python: batches around one and two waves of 132 (uniform, and
     # with graph padding rows), then fresh random ones (1-300 requests, 0-200k
-    # positions, 1-2 head groups). The seed is printed.
+    # positions, 1-2 head groups); for a kernel whose pieces cost nothing past a wave
+    # and for one whose pieces do. The seed is printed.
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
@@ -656,8 +691,9 @@ def test_split_plan_prices_waves_as_documented() -> None:
         cases.append((_random_lens(gen, 1), int(torch.randint(1, 3, (), generator=gen))))
     checked = 0
     for lens, groups in cases:
-        plan, work = _plan(lens, groups, 132, cfg16)
-        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces)
+        plan, work = _plan(lens, groups, 132, cfg16, past_overhead=past_overhead)
+        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces,
+                            past_overhead)
         if want is not None:
             assert _pieces(work) == want, (len(lens), groups, max(lens))
             order = _rule_order(lens, want, cfg16)

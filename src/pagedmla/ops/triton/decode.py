@@ -152,6 +152,7 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
 FEW_REQUESTS = 2  # batches this small use a config's few_min_chunk
 COMBINE_ELEMENTS = 4096  # splits x columns per combine program
 COMBINE_WARPS = 4
+COMBINE_PROGRAMS_PER_SM = 32  # the combine grid's cap (`combine_entries`)
 
 
 def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> DecodeConfig:
@@ -499,88 +500,99 @@ def _decode_piece(
 
 
 @triton.jit
+def _combine_entry(cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS: tl.constexpr):
+    """Entry `entry` of the combine, for its token t: (its first piece, its piece count,
+    first token, q_len, the partials' token index); count 0 past the last entry."""
+    live = entry < num_entries
+    zero = tl.zeros_like(entry)
+    if ALL_SPLITS:  # entry k is token k, with every split, at its own index
+        return zero, tl.where(live, num_splits, 0), entry, zero + 1, entry
+    request = cut_ptr + WORK_FIELDS * entry
+    first = tl.load(request + 1, mask=live, other=0)
+    count = tl.load(request + 3, mask=live, other=0)  # 0 past the cut requests
+    q_begin = tl.load(request + 5, mask=live, other=0)
+    q_len = tl.load(request + 6, mask=live, other=0)
+    return first, count, q_begin, q_len, zero + t
+
+
+@triton.jit
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, cut_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps,
     stride_st, stride_sh, stride_ss,
     stride_ot, stride_oh,
     stride_lh, stride_lt,
-    num_heads, num_splits, num_rows,
+    num_heads, num_splits, num_rows, num_entries,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One (column block, row, entry): merge the row's pieces by lse. Rows are head x
-    token (t * num_heads + head), num_rows per entry. The grid is one axis, column
-    blocks fastest, then rows, then entries (the order of a [blocks, rows, entries]
-    grid, whose second axis would hold at most 65535 rows: 128 heads x 512 tokens are
-    65536).
+    """One (column block, row) of every E-th entry from the program's own: merge the
+    row's pieces by lse. Rows are head x token (t * num_heads + head), num_rows per
+    entry. The grid is one axis, column blocks fastest, then rows, then E entries (the
+    order of a [blocks, rows, E] grid, whose second axis would hold at most 65535 rows:
+    128 heads x 512 tokens are 65536); a program goes on to entry + E, + 2E, ... until
+    one has no pieces, so that a grid smaller than the bound on entries covers them.
 
-    The entry is row `entry` of the split plan's `cut` [.., WORK] (request -1:
-    nothing to do): its pieces are the partials first .. first + count - 1 (stride_ps /
-    stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt / stride_st). Pieces are
-    taken BLOCK_S at a time in one online pass, each chunk's lse and partials loaded
-    together; a piece with lse -inf or +inf (no visible key) was not written and gets
-    weight 0 (what was loaded for it is dropped). ALL_SPLITS (decode context parallel
-    partials, `merge_partials`): entry k is token k, whose num_splits partials all
-    count, at its own token index; cut is not read. PDL: launched as a programmatic
-    dependent of stage 1 (`launch_pdl`), so it may start before stage 1 ends; it waits
-    for stage 1 (griddepcontrol.wait) before reading the partials.
+    An entry is a row of the split plan's `cut` [num_entries, WORK] (request -1 once the
+    cut requests end: nothing more to do): its pieces are the partials first .. first +
+    count - 1 (stride_ps / stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt /
+    stride_st). Pieces are taken BLOCK_S at a time in one online pass, each chunk's lse
+    and partials loaded together; a piece with lse -inf or +inf (no visible key) was not
+    written and gets weight 0 (what was loaded for it is dropped). ALL_SPLITS (decode
+    context parallel partials, `merge_partials`): entry k is token k, whose num_splits
+    partials all count, at its own token index; cut is not read. PDL: launched as a
+    programmatic dependent of stage 1 (`launch_pdl`), so it may start before stage 1
+    ends; it waits for stage 1 (griddepcontrol.wait) before reading the partials.
     """
     COL_BLOCKS: tl.constexpr = (L + BLOCK_C - 1) // BLOCK_C
     col_block = tl.program_id(0) % COL_BLOCKS
     rows_entry = tl.program_id(0) // COL_BLOCKS
     row = rows_entry % num_rows
     entry = rows_entry // num_rows
+    step = tl.num_programs(0) // (COL_BLOCKS * num_rows)  # E
     head = row % num_heads
     t = row // num_heads
-    if ALL_SPLITS:
-        q_begin = entry
-        q_len = 1
-        first = 0
-        used = num_splits
-        part_token = q_begin
-    else:
-        request = cut_ptr + WORK_FIELDS * entry
-        first = tl.load(request + 1)
-        used = tl.load(request + 3)  # 0 past the cut requests
-        q_begin = tl.load(request + 5)
-        q_len = tl.load(request + 6)
-        part_token = t
-    used = tl.where(t < q_len, used, 0)  # tokens past this request's q_len: nothing
-
-    token = (q_begin + t).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
-    part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
-               + cols[None, :])
-    lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
+    first, count, q_begin, q_len, part_token = _combine_entry(cut_ptr, entry, t, num_entries,
+                                                              num_splits, ALL_SPLITS)
     if PDL:  # launched before stage 1 finished: wait for its partials
         gdc_wait()
-    peak = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for s0 in range(0, used, BLOCK_S):
-        at = first + s0 + splits
-        lse = tl.load(lse_at + at * stride_ss, mask=s0 + splits < used, other=float("-inf"))
-        part = tl.load(part_at + at[:, None].to(tl.int64) * stride_ps,
-                       mask=(s0 + splits < used)[:, None] & (cols[None, :] < L), other=0.0)
-        lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
-        new_peak = tl.maximum(peak, tl.max(lse, 0))
-        shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
-        rescale = tl.math.exp2((peak - shift) * 1.4426950408889634)
-        weight = tl.math.exp2((lse - shift) * 1.4426950408889634)
-        total = total * rescale + tl.sum(weight, 0)
-        acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None], weight[:, None] * part,
-                                              0.0), 0)
-        peak = new_peak
-    out = acc / tl.where(total > 0.0, total, 1.0)
-    # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
-             out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
-    merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
-                      float("-inf"))
-    # Every column block writes the same lse value: a harmless duplicate store.
-    tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+    while count > 0:
+        used = tl.where(t < q_len, count, 0)  # tokens past this request's q_len: nothing
+        token = (q_begin + t).to(tl.int64)
+        part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
+                   + cols[None, :])
+        lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
+        peak = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            at = first + s0 + splits
+            lse = tl.load(lse_at + at * stride_ss, mask=s0 + splits < used,
+                          other=float("-inf"))
+            part = tl.load(part_at + at[:, None].to(tl.int64) * stride_ps,
+                           mask=(s0 + splits < used)[:, None] & (cols[None, :] < L), other=0.0)
+            lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
+            new_peak = tl.maximum(peak, tl.max(lse, 0))
+            shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+            rescale = tl.math.exp2((peak - shift) * 1.4426950408889634)
+            weight = tl.math.exp2((lse - shift) * 1.4426950408889634)
+            total = total * rescale + tl.sum(weight, 0)
+            acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None],
+                                                  weight[:, None] * part, 0.0), 0)
+            peak = new_peak
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
+                 out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
+        merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
+                          float("-inf"))
+        # Every column block writes the same lse value: a harmless duplicate store.
+        tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+        entry += step
+        first, count, q_begin, q_len, part_token = _combine_entry(
+            cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS)
 
 
 def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, width: int,
@@ -600,6 +612,19 @@ def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, wi
     while block_c > 16 and num_rows * entries * cdiv(width, block_c) < 2 * num_sms:
         block_c //= 2
     return block_c, max(1, min(next_pow2(max_pieces), COMBINE_ELEMENTS // block_c))
+
+
+def combine_entries(per_entry: int, entries: int, num_sms: int) -> int:
+    """Entries the combine's grid covers at once, of `entries` (the cut list's bound) with
+    `per_entry` programs each: all of them, or as many as fill COMBINE_PROGRAMS_PER_SM
+    programs per multiprocessor, its programs then taking further entries in turn.
+    Most of a bound past one wave may be idle rows (a batch of whole requests cuts
+    none), and each idle program still costs its launch and one read of its row: at
+    N = 128 (128 rows per entry) 100 x 4k and 140 x 2k whole on an H200 took 2-4% less
+    time so (session 39). Fewer programs per multiprocessor (8, 16) took another ~1 us
+    off batches of whole requests at N = 16 but made 70 x 8k at N = 128, every request
+    cut, 3-6% slower: a program's entries run one after another."""
+    return max(1, min(entries, cdiv(COMBINE_PROGRAMS_PER_SM * num_sms, per_entry)))
 
 
 def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
@@ -716,12 +741,13 @@ def mla_decode(
     min_chunk = cfg.min_chunk_for(num_reqs)
     # Stage 1 runs several pieces per program but in the Gluon kernels that do not.
     persistent = hopper is None or hopper.PERSISTENT
+    past_tiles = 0 if hopper is None else hopper.PAST_WAVE_TILES
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
-           min_chunk, block_h, num_splits, persistent)
+           min_chunk, block_h, num_splits, persistent, past_tiles)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
-                           block_n, min_chunk, block_h, num_splits, persistent)
+                           block_n, min_chunk, block_h, num_splits, persistent, past_tiles)
         if plans is not None:
             plans[key] = plan
     if plan.programs > GRID_YZ_MAX:  # stage 1's pieces are its grid's second axis
@@ -776,12 +802,13 @@ def mla_decode(
     block_c, block_s = combine_blocks(
         rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.rows, max_cut)), plan.max_pieces,
         L, num_sms)
-    _decode_combine_kernel[(cdiv(L, block_c) * rows_per_req * max_cut,)](
+    per_entry = cdiv(L, block_c) * rows_per_req
+    _decode_combine_kernel[(per_entry * combine_entries(per_entry, max_cut, num_sms),)](
         part_out, part_lse, plan.cut, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_heads, plan.max_pieces, rows_per_req,
+        num_heads, plan.max_pieces, rows_per_req, max_cut,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, PDL=pdl,
         num_warps=COMBINE_WARPS, launch_pdl=pdl,
     )
@@ -809,7 +836,7 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
         out.stride(1), out.stride(2), out.stride(0),
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
-        N, D, N,
+        N, D, N, T,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, PDL=False,
         num_warps=COMBINE_WARPS,
     )

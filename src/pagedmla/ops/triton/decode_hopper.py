@@ -60,6 +60,7 @@ MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizz
 BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB)
 PERSISTENT = True  # a program runs several pieces of a persistent plan (`split_plan`)
+PAST_WAVE_TILES = 0  # a piece's cost past one wave (`split_plan`; persistent: unused)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
 

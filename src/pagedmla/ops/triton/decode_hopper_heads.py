@@ -72,6 +72,10 @@ from pagedmla.ops.triton.split_plan import SplitPlan
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
 PERSISTENT = False  # one piece per program (`split_plan`)
+# A piece's cost past one wave of requests, in tiles (`split_plan`): none. Two made the
+# plan cut 70 x 8k at N = 128 in 198 pieces instead of 264: bf16 as fast, fp8 4.6%
+# slower (H200, session 39).
+PAST_WAVE_TILES = 0
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).

@@ -21,9 +21,11 @@ full one. Past that, a candidate's last partial wave costs max(LONE_WAVE, its fi
 a full one: its few programs share the memory bandwidth with fewer others, so each
 runs faster, and a batch just past a wave is better served by finer pieces than by a
 second full-length wave for its last requests (H200, N = 16, 140 x 4k: one piece 236
-us, three 196). In such a batch the other programs keep the memory busy while one
-starts or ends a piece, so its pieces pay no OVERHEAD (with it, the plan kept 133 and
-140 requests of 1088 positions whole, 6-10% slower than three pieces each). A
+us, three 196). In such a batch the other programs of a memory-bound kernel keep the
+memory busy while one starts or ends a piece, so its pieces pay not OVERHEAD but the
+kernel's own `past_overhead`: none for those (with OVERHEAD, the plan kept 133 and 140
+requests of 1088 positions whole, 6-10% slower than three pieces each), two tiles for
+the fp8 16-row kernel, bound by its own chains (`decode_hopper_fp8.PAST_WAVE_TILES`). A
 batch past one wave has a second family of candidates too, whole waves: for k = 1 ..
 WHOLE_WAVES, k waves' worth of pieces (P = k x slots / head_groups) shared out in
 proportion to the requests' tiles by cumulative rounding (request b gets
@@ -32,9 +34,10 @@ of them; at least one, at most max_pieces, none under MIN_TILES), so that a unif
 batch of B requests is cut into a or a + 1 pieces each (a = P // B), which no single
 piece size makes. The programs start pieces as earlier ones end, so a wave's piece
 sizes even out over the SMs but for the last pieces: such a candidate costs its waves
-x the mean piece (plus PARTIAL) plus (largest piece - mean piece) for the tail (fitted
-on H200 timings of hand-made layouts, N = 16: 140 x 2k/4k/8k cut into three or four
-waves of 3/4 and 4/5 pieces per request ran 5-9% faster than the best uniform cut).
+x the mean piece (plus PARTIAL and past_overhead) plus (largest piece - mean piece) for
+the tail (fitted on H200 timings of hand-made layouts, N = 16: 140 x 2k/4k/8k cut into
+three or four waves of 3/4 and 4/5 pieces per request ran 5-9% faster than the best
+uniform cut).
 The cheapest candidate of either family wins, and the one with the fewest pieces
 within 3% of it is taken (a uniform one on a tie). Request b is then cut into its
 pieces of equal whole-tile size. For a uniform batch the uniform family is the split
@@ -200,8 +203,8 @@ def _plan_kernel(
     seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr,
     num_reqs, programs, rows, max_pieces, max_cut, head_groups, slots, forced,
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
-    PARTIAL: tl.constexpr, LONE: tl.constexpr, PERSISTENT: tl.constexpr,
-    STREAM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAST_OVERHEAD: tl.constexpr, PARTIAL: tl.constexpr, LONE: tl.constexpr,
+    PERSISTENT: tl.constexpr, STREAM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
@@ -229,7 +232,7 @@ def _plan_kernel(
         cut = _cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
                     tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B)))
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
-    overhead = tl.where(past_wave, 0, OVERHEAD) + tl.where(count > live, PARTIAL, 0)
+    overhead = tl.where(past_wave, PAST_OVERHEAD, OVERHEAD) + tl.where(count > live, PARTIAL, 0)
     cost = _waves(count, head_groups, slots, past_wave, LONE) * (size + overhead)
     allowed = (s <= max_pieces) & (count + empty <= programs)
     cost = tl.where(allowed, cost, float("inf"))
@@ -249,7 +252,8 @@ def _plan_kernel(
         done += tl.sum(t_row, 0)
     w_mean = total.to(tl.float32) / tl.maximum(w_count, 1).to(tl.float32)
     w_cost = (_waves(w_count, head_groups, slots, past_wave, LONE)
-              * (w_mean + tl.where(w_count > live, PARTIAL, 0)) + (w_max - w_mean))
+              * (w_mean + PAST_OVERHEAD + tl.where(w_count > live, PARTIAL, 0))
+              + (w_max - w_mean))
     w_allowed = past_wave & (w_count + empty <= programs)
     w_cost = tl.where(w_allowed, w_cost, float("inf"))
 
@@ -464,7 +468,7 @@ def plan_bounds(
 def plan_splits(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_groups: int,
     max_seq_len: int, slots: int, block_n: int, min_chunk: int, block_h: int,
-    forced: int | None = None, persistent: bool = False,
+    forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
 ) -> SplitPlan:
     """Plan the pieces of a batch with seq_lens int32 [B] and query_start_loc int32
     [B + 1] (on the device; nothing is read back): one launch of a one-program kernel,
@@ -472,7 +476,9 @@ def plan_splits(
     once; block_n / min_chunk / block_h: the stage-1 config's tile, fewest positions per
     piece and rows per program; persistent: the stage-1 kernel runs every piece of
     starts[p] .. starts[p + 1] - 1 in program p (else only piece p), so that a batch
-    past one wave may take the persistent plan (`plan_bounds`)."""
+    past one wave may take the persistent plan (`plan_bounds`); past_overhead: what a
+    piece costs the stage-1 kernel past one wave of requests, in tiles (the module
+    docstring)."""
     num_reqs = seq_lens.shape[0]
     programs, rows, max_pieces, max_cut = plan_bounds(
         num_reqs, head_groups, max_seq_len, slots, block_n, min_chunk, forced, persistent)
@@ -480,17 +486,18 @@ def plan_splits(
     work = torch.empty(rows, WORK, dtype=torch.int32, device=device)
     cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=device)
     starts = torch.empty(programs + 1, dtype=torch.int32, device=device)
-    persistent = rows > programs
+    stream = rows > programs  # the persistent plan's grid
     # With the persistent plan's grid (a program per request) the scored plan can only
     # keep every request whole: its candidates need no more than one piece each.
-    scored_pieces = 1 if persistent else max_pieces
+    scored_pieces = 1 if stream else max_pieces
     _plan_kernel[(1,)](
         seq_lens, query_start_loc, work, cut, starts,
         num_reqs, programs, rows, scored_pieces, max_cut, head_groups, slots,
         int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
+        PAST_OVERHEAD=past_overhead,
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
-        PERSISTENT=persistent, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
+        PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
         BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
         num_warps=8,
     )
