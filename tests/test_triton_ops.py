@@ -273,10 +273,10 @@ def test_decode_many_pieces_merge_in_chunks(monkeypatch: pytest.MonkeyPatch) -> 
 
 @runnable
 def test_decode_combine_grid_smaller_than_its_entries(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The combine's grid covering two entries at once, so that its programs merge the
-    # same row of every other cut request in turn (`combine_entries`) and stop at the
-    # plan's first idle cut row. Requests of 1-3 tokens, cut in 1-3 pieces.
-    monkeypatch.setattr(decode_module, "combine_entries", lambda *_: 2)
+    # The combine's grid covering one entry at a time, so that its programs merge the
+    # same row of every cut request in turn (`combine_entries`; three cut here) and
+    # stop at the plan's first idle cut row. Requests of 1-3 tokens, cut in 1-3 pieces.
+    monkeypatch.setattr(decode_module, "combine_entries", lambda *_: 1)
     args = _decode_case([1, 3, 2, 1, 2], [150, 190, 40, 2, 120], 4, 64, 16, 16,
                         torch.float32, torch.float32, seed=36)
     _check_decode(args, torch.float32, config=TINY_DECODE, num_splits=3)

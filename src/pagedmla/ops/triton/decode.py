@@ -500,19 +500,66 @@ def _decode_piece(
 
 
 @triton.jit
-def _combine_entry(cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS: tl.constexpr):
+def _combine_entry(cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS: tl.constexpr,
+                   INSIDE: tl.constexpr):
     """Entry `entry` of the combine, for its token t: (its first piece, its piece count,
-    first token, q_len, the partials' token index); count 0 past the last entry."""
-    live = entry < num_entries
-    zero = tl.zeros_like(entry)
+    first token, q_len, the partials' token index); count 0 past the last entry (a
+    check left out where the entry is known to be INSIDE the list)."""
     if ALL_SPLITS:  # entry k is token k, with every split, at its own index
-        return zero, tl.where(live, num_splits, 0), entry, zero + 1, entry
+        return 0, tl.where(INSIDE or entry < num_entries, num_splits, 0), entry, 1, entry
     request = cut_ptr + WORK_FIELDS * entry
-    first = tl.load(request + 1, mask=live, other=0)
-    count = tl.load(request + 3, mask=live, other=0)  # 0 past the cut requests
-    q_begin = tl.load(request + 5, mask=live, other=0)
-    q_len = tl.load(request + 6, mask=live, other=0)
-    return first, count, q_begin, q_len, zero + t
+    if INSIDE:
+        return (tl.load(request + 1), tl.load(request + 3), tl.load(request + 5),
+                tl.load(request + 6), t)
+    live = entry < num_entries
+    return (tl.load(request + 1, mask=live, other=0),
+            tl.load(request + 3, mask=live, other=0),  # 0 past the cut requests too
+            tl.load(request + 5, mask=live, other=0), tl.load(request + 6, mask=live, other=0),
+            t)
+
+
+@triton.jit
+def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_begin, q_len,
+               part_token, t, head, cols,
+               stride_pt, stride_ph, stride_ps, stride_st, stride_sh, stride_ss,
+               stride_ot, stride_oh, stride_lh, stride_lt,
+               L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge one row's `count` pieces (partials first .. first + count - 1) by lse into
+    its output columns `cols` and lse; nothing past the entry's q_len (nor for count 0).
+    Pieces are taken BLOCK_S at a time in one online pass, each chunk's lse and partials
+    loaded together; a piece with lse -inf or +inf (no visible key) was not written and
+    gets weight 0 (what was loaded for it is dropped)."""
+    used = tl.where(t < q_len, count, 0)  # tokens past this request's q_len: nothing
+    token = (q_begin + t).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
+               + cols[None, :])
+    lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
+    peak = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        at = first + s0 + splits
+        lse = tl.load(lse_at + at * stride_ss, mask=s0 + splits < used, other=float("-inf"))
+        part = tl.load(part_at + at[:, None].to(tl.int64) * stride_ps,
+                       mask=(s0 + splits < used)[:, None] & (cols[None, :] < L), other=0.0)
+        lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
+        new_peak = tl.maximum(peak, tl.max(lse, 0))
+        shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
+        rescale = tl.math.exp2((peak - shift) * 1.4426950408889634)
+        weight = tl.math.exp2((lse - shift) * 1.4426950408889634)
+        total = total * rescale + tl.sum(weight, 0)
+        acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None], weight[:, None] * part,
+                                              0.0), 0)
+        peak = new_peak
+    out = acc / tl.where(total > 0.0, total, 1.0)
+    # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
+             out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
+    merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
+                      float("-inf"))
+    # Every column block writes the same lse value: a harmless duplicate store.
+    tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
 
 
 @triton.jit
@@ -524,75 +571,52 @@ def _decode_combine_kernel(
     stride_lh, stride_lt,
     num_heads, num_splits, num_rows, num_entries,
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One (column block, row) of every E-th entry from the program's own: merge the
-    row's pieces by lse. Rows are head x token (t * num_heads + head), num_rows per
-    entry. The grid is one axis, column blocks fastest, then rows, then E entries (the
-    order of a [blocks, rows, E] grid, whose second axis would hold at most 65535 rows:
-    128 heads x 512 tokens are 65536); a program goes on to entry + E, + 2E, ... until
-    one has no pieces, so that a grid smaller than the bound on entries covers them.
+    """One (column block, row, entry): merge the row's pieces by lse (`_merge_row`).
+    Rows are head x token (t * num_heads + head), num_rows per entry. The grid is one
+    axis, column blocks fastest, then rows, then E entries (the order of a [blocks,
+    rows, E] grid, whose second axis would hold at most 65535 rows: 128 heads x 512
+    tokens are 65536). LOOP: the grid covers fewer entries than num_entries, and a
+    program goes on to entry + E, + 2E, ... until one has no pieces (a loop that costs
+    registers, so only there).
 
     An entry is a row of the split plan's `cut` [num_entries, WORK] (request -1 once the
     cut requests end: nothing more to do): its pieces are the partials first .. first +
     count - 1 (stride_ps / stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt /
-    stride_st). Pieces are taken BLOCK_S at a time in one online pass, each chunk's lse
-    and partials loaded together; a piece with lse -inf or +inf (no visible key) was not
-    written and gets weight 0 (what was loaded for it is dropped). ALL_SPLITS (decode
-    context parallel partials, `merge_partials`): entry k is token k, whose num_splits
-    partials all count, at its own token index; cut is not read. PDL: launched as a
-    programmatic dependent of stage 1 (`launch_pdl`), so it may start before stage 1
-    ends; it waits for stage 1 (griddepcontrol.wait) before reading the partials.
+    stride_st). ALL_SPLITS (decode context parallel partials, `merge_partials`): entry
+    k is token k, whose num_splits partials all count, at its own token index; cut is
+    not read. PDL: launched as a programmatic dependent of stage 1 (`launch_pdl`), so it
+    may start before stage 1 ends; it reads its first entry, then waits for stage 1
+    (griddepcontrol.wait) before reading the partials.
     """
     COL_BLOCKS: tl.constexpr = (L + BLOCK_C - 1) // BLOCK_C
     col_block = tl.program_id(0) % COL_BLOCKS
     rows_entry = tl.program_id(0) // COL_BLOCKS
     row = rows_entry % num_rows
     entry = rows_entry // num_rows
-    step = tl.num_programs(0) // (COL_BLOCKS * num_rows)  # E
     head = row % num_heads
     t = row // num_heads
-    splits = tl.arange(0, BLOCK_S)
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     first, count, q_begin, q_len, part_token = _combine_entry(cut_ptr, entry, t, num_entries,
-                                                              num_splits, ALL_SPLITS)
+                                                              num_splits, ALL_SPLITS, True)
     if PDL:  # launched before stage 1 finished: wait for its partials
         gdc_wait()
-    while count > 0:
-        used = tl.where(t < q_len, count, 0)  # tokens past this request's q_len: nothing
-        token = (q_begin + t).to(tl.int64)
-        part_at = (part_out_ptr + part_token.to(tl.int64) * stride_pt + head * stride_ph
-                   + cols[None, :])
-        lse_at = part_lse_ptr + part_token.to(tl.int64) * stride_st + head * stride_sh
-        peak = tl.full([], float("-inf"), tl.float32)
-        total = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_C], tl.float32)
-        for s0 in range(0, used, BLOCK_S):
-            at = first + s0 + splits
-            lse = tl.load(lse_at + at * stride_ss, mask=s0 + splits < used,
-                          other=float("-inf"))
-            part = tl.load(part_at + at[:, None].to(tl.int64) * stride_ps,
-                           mask=(s0 + splits < used)[:, None] & (cols[None, :] < L), other=0.0)
-            lse = tl.where(lse == float("inf"), float("-inf"), lse)  # +inf marks empty too
-            new_peak = tl.maximum(peak, tl.max(lse, 0))
-            shift = tl.where(new_peak == float("-inf"), 0.0, new_peak)
-            rescale = tl.math.exp2((peak - shift) * 1.4426950408889634)
-            weight = tl.math.exp2((lse - shift) * 1.4426950408889634)
-            total = total * rescale + tl.sum(weight, 0)
-            acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None],
-                                                  weight[:, None] * part, 0.0), 0)
-            peak = new_peak
-        out = acc / tl.where(total > 0.0, total, 1.0)
-        # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
-                 out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
-        merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
-                          float("-inf"))
-        # Every column block writes the same lse value: a harmless duplicate store.
-        tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
+    strides = (stride_pt, stride_ph, stride_ps, stride_st, stride_sh, stride_ss,
+               stride_ot, stride_oh, stride_lh, stride_lt)
+    _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_begin, q_len,
+               part_token, t, head, cols, *strides, L, BLOCK_C, BLOCK_S)
+    if LOOP:
+        step = tl.num_programs(0) // (COL_BLOCKS * num_rows)  # E
         entry += step
         first, count, q_begin, q_len, part_token = _combine_entry(
-            cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS)
+            cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS, False)
+        while count > 0:
+            _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_begin,
+                       q_len, part_token, t, head, cols, *strides, L, BLOCK_C, BLOCK_S)
+            entry += step
+            first, count, q_begin, q_len, part_token = _combine_entry(
+                cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS, False)
 
 
 def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, width: int,
@@ -803,13 +827,15 @@ def mla_decode(
         rows_per_req, max_cut, min(plan.max_pieces, cdiv(plan.rows, max_cut)), plan.max_pieces,
         L, num_sms)
     per_entry = cdiv(L, block_c) * rows_per_req
-    _decode_combine_kernel[(per_entry * combine_entries(per_entry, max_cut, num_sms),)](
+    entries = combine_entries(per_entry, max_cut, num_sms)
+    _decode_combine_kernel[(per_entry * entries,)](
         part_out, part_lse, plan.cut, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, plan.max_pieces, rows_per_req, max_cut,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, PDL=pdl,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, LOOP=entries < max_cut,
+        PDL=pdl,
         num_warps=COMBINE_WARPS, launch_pdl=pdl,
     )
     return out, lse
@@ -837,7 +863,7 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
         lse.stride(1), lse.stride(2), lse.stride(0),
         merged.stride(0), merged.stride(1), merged_lse.stride(0), merged_lse.stride(1),
         N, D, N, T,
-        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, PDL=False,
+        L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=True, LOOP=False, PDL=False,
         num_warps=COMBINE_WARPS,
     )
     return merged
