@@ -57,6 +57,7 @@ from pagedmla.testing import make_paged_batch, relative_error
 
 pytest.importorskip("triton")
 
+import importlib
 import itertools
 
 import triton
@@ -100,10 +101,6 @@ from pagedmla.ops.triton.split_plan import (
 )
 
 HAS_CUDA = torch.cuda.is_available()
-# A piece's cost past one wave for a kernel bound by its own chains, in tiles, as the fp8
-# 16-row kernel declares it (decode_hopper_fp8.PAST_WAVE_TILES; a Gluon module, not
-# imported by the CPU tests): the plan's rule under it.
-FP8_PAST_WAVE = 2
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 FP8 = torch.float8_e4m3fn
 
@@ -481,7 +478,7 @@ def test_decode_few_requests_take_shorter_pieces() -> None:
 
 def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
           forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
-          ) -> tuple[SplitPlan, list[list[int]]]:
+          lone_wave: float = LONE_WAVE) -> tuple[SplitPlan, list[list[int]]]:
     """A plan for lengths `lens` (one query token each), checked for what every plan must
     be: each request's positions [0, len) covered by its pieces in order, each piece of
     whole tiles but the last, at most max_pieces pieces, consecutive rows, each with
@@ -491,7 +488,7 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
                        cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent,
-                       past_overhead)
+                       past_overhead, lone_wave)
     work = plan.work.tolist()
     starts = plan.starts.tolist()
     assert len(starts) == plan.programs + 1 and starts[0] == 0
@@ -550,11 +547,15 @@ def test_split_plan_uniform_batches() -> None:
     assert len(work) == 256 and plan.programs == 256 + 132
     # Just past a wave, a second wave of whole requests would run 8 of them alone for
     # as long as the first: every request is cut, into 2 or 3 pieces so that the pieces
-    # fill three waves. Past a wave the fp8 16-row kernel (one piece per program) pays
-    # each piece's start (its PAST_WAVE_TILES; 140 x 4k on an H200: 148.8 us whole,
-    # 124.6 in four waves of 3 or 4 pieces per request as without it, 120.1 in this
-    # layout).
-    plan, work = _plan([4096] * 140, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
+    # fill three waves. Priced for the fp8 16-row kernel (one piece per program, bound
+    # by its chains: each piece pays its start, and a partial wave runs hardly faster
+    # than a full one; 140 x 4k on an H200: 148.8 us whole, 124.6 in four waves of 3 or
+    # 4 pieces per request, 120.1-121.6 in this layout).
+    from pagedmla.ops.triton import decode_hopper_fp8
+
+    fp8 = {"past_overhead": decode_hopper_fp8.PAST_WAVE_TILES,
+           "lone_wave": decode_hopper_fp8.LONE_WAVE}
+    plan, work = _plan([4096] * 140, 1, 132, cfg16, **fp8)
     assert plan.programs == 140 + EXTRA_WAVES * 132
     assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
     assert max(_tiles(w, 64) for w in work) == 32
@@ -562,14 +563,15 @@ def test_split_plan_uniform_batches() -> None:
     # last, not interleaved (bf16, 140 x 4k in 3 or 4 pieces: 182 us so, 193
     # interleaved).
     assert [w[3] for w in work[:48]] == [2] * 48 and work[48][3] == 3
-    # The same for short requests, three waves of 2 or 3 pieces per request (the rule's
-    # choice, 2% slower than whole ones here: fp8, 133 x 1088, 56.5 us against 55.3).
-    plan, work = _plan([1088] * 133, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
-    assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
-    # 200 requests fill their second wave half-way: whole requests (fp8: 155.0 us)
-    # beat two and three pieces (169.9, 164.5).
-    plan, work = _plan([4096] * 200, 1, 132, cfg16, past_overhead=FP8_PAST_WAVE)
-    assert len(work) == 200
+    # Short requests fill two waves of 1 or 2 pieces per request (fp8, 133 x 1088:
+    # 54.8-55.1 us; whole 55.5, three waves 57.2).
+    plan, work = _plan([1088] * 133, 1, 132, cfg16, **fp8)
+    assert sorted(set(_pieces(work))) == [1, 2] and len(work) == 2 * 132
+    # 200 requests fill their second wave half-way: 64 of them are cut in two, so that
+    # the pieces fill two waves (fp8: 156.5-156.9 us; whole requests 155.5, the rule's
+    # choice of session 39, three waves, 158.8-159.4).
+    plan, work = _plan([4096] * 200, 1, 132, cfg16, **fp8)
+    assert _pieces(work).count(2) == 64 and len(work) == 2 * 132
     # Pieces never go below min_chunk positions: short requests stay whole.
     plan, work = _plan([100, 0, 255], 1, 132, cfg16)
     assert len(work) == 3 and plan.max_pieces == 1
@@ -602,20 +604,22 @@ def test_split_plan_on_random_batches() -> None:
 
 
 def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int, past_overhead: int = 0) -> list[int] | None:
+                 programs: int, max_pieces: int, past_overhead: int = 0,
+                 lone_wave: float = LONE_WAVE) -> list[int] | None:
     """Each request's piece count by the rule `split_plan`'s docstring states, worked
     out here in float64 within the plan's bounds (programs, max_pieces); None where two
     candidates sit at the 3% margin, which float32 may round either way."""
-    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces, past_overhead)
+    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces, past_overhead,
+                          lone_wave)
     return None if choice is None else choice[1]
 
 
 def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
                  programs: int, max_pieces: int, past_overhead: int = 0,
-                 ) -> tuple[float, list[int]] | None:
+                 lone_wave: float = LONE_WAVE) -> tuple[float, list[int]] | None:
     """(the cheapest candidate's cost, the chosen candidate's piece counts) of
-    `_rule_pieces`, or None as there. past_overhead: the stage-1 kernel's cost of a
-    piece past one wave (`plan_splits`)."""
+    `_rule_pieces`, or None as there. past_overhead and lone_wave: the stage-1 kernel's
+    cost of a piece past one wave and of a last partial wave there (`plan_splits`)."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
     live = len(tiles) - empty
@@ -625,7 +629,7 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
 
     def waves(count: int) -> float:
         full, rest = divmod(count * head_groups, slots)
-        return full + ((max(LONE_WAVE, rest / slots) if past_wave else 1) if rest else 0)
+        return full + ((max(lone_wave, rest / slots) if past_wave else 1) if rest else 0)
 
     def evened(t: int, n: int) -> int:  # pieces of equal whole-tile size
         return -(-t // -(-t // n)) if t else 1
@@ -673,13 +677,15 @@ def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[i
 
 
 @runnable
-@pytest.mark.parametrize("past_overhead", [0, FP8_PAST_WAVE])
-def test_split_plan_prices_waves_as_documented(past_overhead: int) -> None:
+@pytest.mark.parametrize("kernel", ["decode_hopper", "decode_hopper_fp8", "decode_hopper_heads"])
+def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
     # The plan kernel's choices (each request's pieces, the requests' order) against the
     # rule worked out in Python: batches around one and two waves of 132 (uniform, and
     # with graph padding rows), then fresh random ones (1-300 requests, 0-200k
-    # positions, 1-2 head groups); for a kernel whose pieces cost nothing past a wave
-    # and for one whose pieces do. The seed is printed.
+    # positions, 1-2 head groups); under each stage-1 kernel's prices past a wave (a
+    # piece's start, a last partial wave). The seed is printed.
+    module = importlib.import_module(f"pagedmla.ops.triton.{kernel}")
+    prices = (module.PAST_WAVE_TILES, module.LONE_WAVE)
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
@@ -691,9 +697,8 @@ def test_split_plan_prices_waves_as_documented(past_overhead: int) -> None:
         cases.append((_random_lens(gen, 1), int(torch.randint(1, 3, (), generator=gen))))
     checked = 0
     for lens, groups in cases:
-        plan, work = _plan(lens, groups, 132, cfg16, past_overhead=past_overhead)
-        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces,
-                            past_overhead)
+        plan, work = _plan(lens, groups, 132, cfg16, None, False, *prices)
+        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces, *prices)
         if want is not None:
             assert _pieces(work) == want, (len(lens), groups, max(lens))
             order = _rule_order(lens, want, cfg16)

@@ -56,7 +56,7 @@ from pagedmla.ops.triton._utils import (
     next_pow2,
     split_pow2,
 )
-from pagedmla.ops.triton.split_plan import WORK_FIELDS, plan_splits
+from pagedmla.ops.triton.split_plan import LONE_WAVE, WORK_FIELDS, plan_splits
 from pagedmla.validation import positive_finite
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
@@ -588,7 +588,9 @@ def _decode_combine_kernel(
     k is token k, whose num_splits partials all count, at its own token index; cut is
     not read. PDL: launched as a programmatic dependent of stage 1 (`launch_pdl`), so it
     may start before stage 1 ends; it reads its first entry, then waits for stage 1
-    (griddepcontrol.wait) before reading the partials.
+    (griddepcontrol.wait) before reading the partials. A program whose first entry is
+    idle ends without waiting, as the entries after it are idle too, so that a plan
+    that cuts no request leaves no program waiting out stage 1's tail.
     """
     COL_BLOCKS: tl.constexpr = (L + BLOCK_C - 1) // BLOCK_C
     col_block = tl.program_id(0) % COL_BLOCKS
@@ -600,7 +602,9 @@ def _decode_combine_kernel(
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     first, count, q_begin, q_len, part_token = _combine_entry(cut_ptr, entry, t, num_entries,
                                                               num_splits, ALL_SPLITS, True)
-    if PDL:  # launched before stage 1 finished: wait for its partials
+    # Program 0 waits even so: the combine then never ends before stage 1, whose outputs
+    # of uncut requests the kernels after the combine read.
+    if PDL and ((count > 0) | (tl.program_id(0) == 0)):
         gdc_wait()
     strides = (stride_pt, stride_ph, stride_ps, stride_st, stride_sh, stride_ss,
                stride_ot, stride_oh, stride_lh, stride_lt)
@@ -765,13 +769,15 @@ def mla_decode(
     min_chunk = cfg.min_chunk_for(num_reqs)
     # Stage 1 runs several pieces per program but in the Gluon kernels that do not.
     persistent = hopper is None or hopper.PERSISTENT
-    past_tiles = 0 if hopper is None else hopper.PAST_WAVE_TILES
+    past_tiles, lone_wave = ((0, LONE_WAVE) if hopper is None
+                             else (hopper.PAST_WAVE_TILES, hopper.LONE_WAVE))
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
-           min_chunk, block_h, num_splits, persistent, past_tiles)
+           min_chunk, block_h, num_splits, persistent, past_tiles, lone_wave)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
-                           block_n, min_chunk, block_h, num_splits, persistent, past_tiles)
+                           block_n, min_chunk, block_h, num_splits, persistent, past_tiles,
+                           lone_wave)
         if plans is not None:
             plans[key] = plan
     if plan.programs > GRID_YZ_MAX:  # stage 1's pieces are its grid's second axis

@@ -52,6 +52,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.triton import split_plan
 from pagedmla.ops.triton.decode import tiles_copyable
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
@@ -64,6 +65,8 @@ PERSISTENT = True  # a program runs several pieces of a persistent plan (`split_
 # whole requests and the persistent plan, and a cost per piece would only price whole
 # requests higher (with 2 tiles 256 x 4k would go persistent, 3.6% slower; session 37).
 PAST_WAVE_TILES = 0
+# A last partial wave's price past one wave (`split_plan`): this kernel is memory-bound.
+LONE_WAVE = split_plan.LONE_WAVE
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
 

@@ -86,12 +86,17 @@ MAX_ROWS = 2 * BLOCK_H  # query rows per request: two head groups (the module do
 # program per SM.
 STAGES = 4
 PERSISTENT = False  # one piece per program (`split_plan`)
-# A piece's cost past one wave of requests, in tiles (`split_plan`). Bound by its
-# consumers' chains, this kernel pays a piece's start there too, where the memory-bound
-# kernels' other programs hide it. H200, N = 16, against none (session 39): 170 x 1088
-# 62.7 -> 59.1 us (whole requests), 140 x 4k 124.6 -> 120.1 (three waves of 2-3
-# pieces per request, not four of 3-4), ragged batches as fast or up to 4% faster.
-PAST_WAVE_TILES = 2
+# A piece's cost past one wave of requests, in tiles, and a last partial wave's there,
+# as a fraction of a full one (`split_plan`). Bound by its consumers' chains, this kernel
+# pays a piece's start where the memory-bound kernels' other programs hide it (about
+# 5 us), and its programs in a partial wave run hardly faster than in a full one (200 x
+# 4k whole: the second wave of 68 programs took 0.92 of the first). H200, N = 16,
+# against 2 tiles and 0.6 (session 40, two calls): 1.4-8% faster on 9 of 24 batches past
+# one wave (300 x 4k 227.6 -> 212.4 us, 170 x 1088 59.7 -> 55.8, 160 lognormal 103.6 ->
+# 95.6), 2.2% slower on 133 in 1k-2k, 1.8% at N = 32, 70 x 8k. 3 tiles, 0.8 or 1.0
+# lost more of those gains than 5 tiles, which matched 4.
+PAST_WAVE_TILES = 4
+LONE_WAVE = 0.9
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
 # value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
 Q_TOP = gl.constexpr(224.0)

@@ -76,6 +76,13 @@ PERSISTENT = False  # one piece per program (`split_plan`)
 # plan cut 70 x 8k at N = 128 in 198 pieces instead of 264: bf16 as fast, fp8 4.6%
 # slower (H200, session 39).
 PAST_WAVE_TILES = 0
+# A last partial wave's price past one wave, as a fraction of a full one (`split_plan`).
+# Bound by the tensor cores at N = 128, a partial wave's programs run hardly faster than
+# a full wave's. H200, N = 128, B = 67-112 x 4k and 8k (session 40), against 0.6: 80,
+# 88 and 96 x 4k 5-7% faster (80 x 4k bf16 384 -> 414 TFLOP/s), 88 x 8k 7%, fp8 80 x 4k
+# and 100 x 8k 8-10%, none slower beyond the runs' spread; 1.0 cut 100 x 4k in 132
+# pieces, 2% slower than whole requests.
+LONE_WAVE = 0.9
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).

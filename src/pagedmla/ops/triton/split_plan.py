@@ -17,15 +17,20 @@ request, such as a CUDA graph's padding row, takes a program that exits at once 
 counts in no wave); each piece also pays a fixed cost (q, the first copy's latency, the
 epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written and
 read back (PARTIAL tiles). A batch that fits one wave uncut prices a partial wave as a
-full one. Past that, a candidate's last partial wave costs max(LONE_WAVE, its fill) of
-a full one: its few programs share the memory bandwidth with fewer others, so each
-runs faster, and a batch just past a wave is better served by finer pieces than by a
-second full-length wave for its last requests (H200, N = 16, 140 x 4k: one piece 236
-us, three 196). In such a batch the other programs of a memory-bound kernel keep the
-memory busy while one starts or ends a piece, so its pieces pay not OVERHEAD but the
-kernel's own `past_overhead`: none for those (with OVERHEAD, the plan kept 133 and 140
-requests of 1088 positions whole, 6-10% slower than three pieces each), two tiles for
-the fp8 16-row kernel, bound by its own chains (`decode_hopper_fp8.PAST_WAVE_TILES`). A
+full one. Past that, a candidate's last partial wave costs max(lone_wave, its fill) of
+a full one, lone_wave being the stage-1 kernel's own. For a memory-bound kernel it is
+LONE_WAVE: a partial wave's few programs share the memory bandwidth with fewer others,
+so each runs faster, and a batch just past a wave is better served by finer pieces
+than by a second full-length wave for its last requests (H200, N = 16, 140 x 4k: one
+piece 236 us, three 196). A kernel bound by its own chains (the fp8 16-row kernel) or
+by the tensor cores (the 64-row kernel at N = 128) runs a partial wave hardly or no
+faster than a full one, and declares more (`decode_hopper_fp8.LONE_WAVE`,
+`decode_hopper_heads.LONE_WAVE`). In such a batch the other programs of a memory-bound
+kernel keep the memory busy while one starts or ends a piece, so its pieces pay not
+OVERHEAD but the kernel's own `past_overhead`: none for those (with OVERHEAD, the plan
+kept 133 and 140 requests of 1088 positions whole, 6-10% slower than three pieces
+each), four tiles for the fp8 16-row kernel, bound by its own chains
+(`decode_hopper_fp8.PAST_WAVE_TILES`). A
 batch past one wave has a second family of candidates too, whole waves: for k = 1 ..
 WHOLE_WAVES, k waves' worth of pieces (P = k x slots / head_groups) shared out in
 proportion to the requests' tiles by cumulative rounding (request b gets
@@ -91,13 +96,14 @@ OVERHEAD_TILES = 2  # a piece's fixed cost, in tiles of cache (q, the first copy
 # A cut request's partial ([rows, L] float32, written then read back) moves about as many
 # bytes as 4 x rows bf16 cache rows of 576 columns (DeepSeek widths).
 PARTIAL_ROWS_PER_ROW = 4
-# A last partial wave's cost, as a fraction of a full wave's, past one wave of requests:
+# A last partial wave's cost, as a fraction of a full wave's, past one wave of requests,
+# for a memory-bound stage-1 kernel (each declares its own, `plan_splits`' lone_wave):
 # H200, N = 16, B = 140 against 256 x 4k (8 programs of the second wave alone: 0.61 of
 # a full one), 170 and 200 x 4k (38 and 68 programs: 0.6, 0.67).
 LONE_WAVE = 0.6
 # Stage-1 programs past a batch of more requests than one wave, in waves: room for the
 # finer pieces that such a batch is cut in (133-170 x 4k: two or three pieces), where
-# its last wave of whole requests would be filled less than LONE_WAVE; one wave else
+# its last wave of whole requests would be filled less than lone_wave; one wave else
 # (room to cut a few long requests), since a uniform batch that fills its last wave
 # that far stays whole, and the idle programs of a wider grid cost it (B = 256 x 4k,
 # N = 16: 294.6 us with one wave of room, 296.0 with three).
@@ -427,6 +433,7 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, n
 def plan_bounds(
     num_reqs: int, head_groups: int, max_seq_len: int, slots: int, block_n: int,
     min_chunk: int, forced: int | None = None, persistent: bool = False,
+    lone_wave: float = LONE_WAVE,
 ) -> tuple[int, int, int, int]:
     """Host bounds of a plan from ints only: (programs, rows, max_pieces, max_cut).
 
@@ -441,13 +448,14 @@ def plan_bounds(
     the rows the batch plus W (the persistent plan's runs of W programs). Else one wave's
     worth of programs or, for a batch larger than a wave, the batch plus room for cut
     pieces: EXTRA_WAVES waves where the batch's last wave is filled less than
-    LONE_WAVE, one wave else. max_pieces: the most pieces a request can get
-    (MIN_TILES-sized pieces of max_seq_len, MAX_SPLITS, and what the grid leaves; in
-    the persistent plan a piece per tile, at most one per program of W); `forced`
-    pieces for the longest request (tests, tuning) widen the grid to fit them and rule
-    out the persistent plan. max_cut: the most requests cut in more than one piece
-    (each takes at least one of the programs past the batch's first B; in the
-    persistent plan, each straddles a boundary between runs).
+    lone_wave (the price of a last partial wave, `plan_splits`), one wave else.
+    max_pieces: the most pieces a request can get (MIN_TILES-sized pieces of
+    max_seq_len, MAX_SPLITS, and what the grid leaves; in the persistent plan a piece
+    per tile, at most one per program of W); `forced` pieces for the longest request
+    (tests, tuning) widen the grid to fit them and rule out the persistent plan.
+    max_cut: the most requests cut in more than one piece (each takes at least one of
+    the programs past the batch's first B; in the persistent plan, each straddles a
+    boundary between runs).
     """
     per_wave = cdiv(slots, head_groups)
     max_tiles = cdiv(max_seq_len, block_n)
@@ -455,7 +463,7 @@ def plan_bounds(
         return (num_reqs, num_reqs + per_wave, max(1, min(max_tiles, per_wave)),
                 max(1, min(num_reqs, per_wave - 1)))
     fill = (num_reqs * head_groups % slots) / slots
-    room = EXTRA_WAVES if fill < LONE_WAVE else 1
+    room = EXTRA_WAVES if fill < lone_wave else 1
     programs = per_wave if num_reqs <= per_wave else num_reqs + room * per_wave
     min_tiles = max(1, min_chunk // block_n)
     max_pieces = max(1, min(MAX_SPLITS, cdiv(max_tiles, min_tiles), programs - num_reqs + 1))
@@ -469,6 +477,7 @@ def plan_splits(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_groups: int,
     max_seq_len: int, slots: int, block_n: int, min_chunk: int, block_h: int,
     forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
+    lone_wave: float = LONE_WAVE,
 ) -> SplitPlan:
     """Plan the pieces of a batch with seq_lens int32 [B] and query_start_loc int32
     [B + 1] (on the device; nothing is read back): one launch of a one-program kernel,
@@ -477,11 +486,13 @@ def plan_splits(
     piece and rows per program; persistent: the stage-1 kernel runs every piece of
     starts[p] .. starts[p + 1] - 1 in program p (else only piece p), so that a batch
     past one wave may take the persistent plan (`plan_bounds`); past_overhead: what a
-    piece costs the stage-1 kernel past one wave of requests, in tiles (the module
+    piece costs the stage-1 kernel past one wave of requests, in tiles, and lone_wave
+    what its last partial wave costs there, as a fraction of a full one (the module
     docstring)."""
     num_reqs = seq_lens.shape[0]
     programs, rows, max_pieces, max_cut = plan_bounds(
-        num_reqs, head_groups, max_seq_len, slots, block_n, min_chunk, forced, persistent)
+        num_reqs, head_groups, max_seq_len, slots, block_n, min_chunk, forced, persistent,
+        lone_wave)
     device = seq_lens.device
     work = torch.empty(rows, WORK, dtype=torch.int32, device=device)
     cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=device)
@@ -496,7 +507,7 @@ def plan_splits(
         int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
         PAST_OVERHEAD=past_overhead,
-        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=LONE_WAVE,
+        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=lone_wave,
         PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
         BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
         num_warps=8,
