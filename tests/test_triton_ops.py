@@ -97,6 +97,7 @@ from pagedmla.ops.triton.split_plan import (
     STREAM_TILES,
     WHOLE_WAVES,
     SplitPlan,
+    plan_bounds,
     plan_splits,
 )
 
@@ -572,6 +573,12 @@ def test_split_plan_uniform_batches() -> None:
     # choice of session 39, three waves, 158.8-159.4).
     plan, work = _plan([4096] * 200, 1, 132, cfg16, **fp8)
     assert _pieces(work).count(2) == 64 and len(work) == 2 * 132
+    # A last wave of whole requests filled to 0.67 (220 requests) leaves EXTRA_WAVES of
+    # room for finer pieces where a partial wave is priced above that (fp8: 0.9), one
+    # wave where it is priced below (a memory-bound kernel's 0.6).
+    assert plan_bounds(220, 1, 4096, 132, 64, cfg16.min_chunk)[0] == 220 + 132
+    assert (plan_bounds(220, 1, 4096, 132, 64, cfg16.min_chunk, lone_wave=0.9)[0]
+            == 220 + EXTRA_WAVES * 132)
     # Pieces never go below min_chunk positions: short requests stay whole.
     plan, work = _plan([100, 0, 255], 1, 132, cfg16)
     assert len(work) == 3 and plan.max_pieces == 1

@@ -91,11 +91,11 @@ PERSISTENT = False  # one piece per program (`split_plan`)
 # pays a piece's start where the memory-bound kernels' other programs hide it (about
 # 5 us), and its programs in a partial wave run hardly faster than in a full one (whole
 # requests, session 38: 200 x 4k 158.0 us, 256 x 4k 164.6, so a second wave of 68
-# programs cost ~0.92 of one of 124). H200, N = 16,
-# against 2 tiles and 0.6 (session 40): 1.4-7.7% faster on 8 of 28 batches past one
-# wave (300 x 4k 227.6 -> 212.4 us, 170 x 1088 59.7 -> 55.8, 160 lognormal 103.6 ->
-# 95.6), 2.2% slower on 133 in 1k-2k, 1.8% at N = 32, 70 x 8k. 3 tiles, 0.8 or 1.0
-# lost some of those gains; 5 tiles matched 4.
+# programs cost ~0.92 of one of 124). H200, N = 16, against 2 tiles and 0.6 (session
+# 40): 1.4-7.7% faster on 8 of 28 batches past one wave (300 x 4k 227.6 -> 212.4 us,
+# 170 x 1088 59.7 -> 55.8, 160 lognormal 103.6 -> 95.6), 2.2% slower on 133 in 1k-2k,
+# 1.8% at N = 32, 70 x 8k. 3 tiles, 0.8 or 1.0 lost some of those gains; 5 tiles
+# matched 4.
 PAST_WAVE_TILES = 4
 LONE_WAVE = 0.9
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
