@@ -30,19 +30,18 @@ kernel keep the memory busy while one starts or ends a piece, so its pieces pay 
 OVERHEAD but the kernel's own `past_overhead`: none for those (with OVERHEAD, the plan
 kept 133 and 140 requests of 1088 positions whole, 6-10% slower than three pieces
 each), four tiles for the fp8 16-row kernel, bound by its own chains
-(`decode_hopper_fp8.PAST_WAVE_TILES`). A
-batch past one wave has a second family of candidates too, whole waves: for k = 1 ..
-WHOLE_WAVES, k waves' worth of pieces (P = k x slots / head_groups) shared out in
-proportion to the requests' tiles by cumulative rounding (request b gets
-round(C_b P / C) - round(C_{b-1} P / C) pieces, C_b the tiles of requests 0 .. b, C all
-of them; at least one, at most max_pieces, none under MIN_TILES), so that a uniform
-batch of B requests is cut into a or a + 1 pieces each (a = P // B), which no single
-piece size makes. The programs start pieces as earlier ones end, so a wave's piece
-sizes even out over the SMs but for the last pieces: such a candidate costs its waves
-x the mean piece (plus PARTIAL and past_overhead) plus (largest piece - mean piece) for
-the tail (fitted on H200 timings of hand-made layouts, N = 16: 140 x 2k/4k/8k cut into
-three or four waves of 3/4 and 4/5 pieces per request ran 5-9% faster than the best
-uniform cut).
+(`decode_hopper_fp8.PAST_WAVE_TILES`). A batch past one wave has a second family of
+candidates too, whole waves: for k = 1 .. WHOLE_WAVES, k waves' worth of pieces (P = k x
+slots / head_groups) shared out in proportion to the requests' tiles by cumulative
+rounding (request b gets round(C_b P / C) - round(C_{b-1} P / C) pieces, C_b the tiles
+of requests 0 .. b, C all of them; at least one, at most max_pieces, none under
+MIN_TILES), so that a uniform batch of B requests is cut into a or a + 1 pieces each (a
+= P // B), which no single piece size makes. The programs start pieces as earlier ones
+end, so a wave's piece sizes even out over the SMs but for the last pieces: such a
+candidate costs its waves x the mean piece (plus PARTIAL and past_overhead) plus
+(largest piece - mean piece) for the tail (fitted on H200 timings of hand-made layouts,
+N = 16: 140 x 2k/4k/8k cut into three or four waves of 3/4 and 4/5 pieces per request
+ran 5-9% faster than the best uniform cut).
 The cheapest candidate of either family wins, and the one with the fewest pieces
 within 3% of it is taken (a uniform one on a tie). Request b is then cut into its
 pieces of equal whole-tile size. For a uniform batch the uniform family is the split
