@@ -72,6 +72,7 @@ from pagedmla.ops.triton import (
     write_cache,
 )
 from pagedmla.ops.triton import decode as decode_module
+from pagedmla.ops.triton import split_plan as split_plan_module
 from pagedmla.ops.triton._utils import (
     GRID_YZ_MAX,
     INTERPRETED,
@@ -460,6 +461,39 @@ def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
         assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
 
 
+def _assert_even_plan(plan: SplitPlan) -> None:
+    """The plan is the even one: rows out of their partials' order, longest first."""
+    live = [row for row in plan.work.tolist() if row[0] >= 0]
+    assert any(row[7] != i for i, row in enumerate(live))
+    sizes = [row[2] - row[1] for row in live]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+@runnable
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_even_plan(block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The even plan (the persistent plan's pieces, a program each, rows longest first,
+    # partials at their own indices) on the Triton kernel, which runs any plan's rows: a
+    # batch past one wave, the plan made as for a kernel of one piece per program, with
+    # the even plan priced cheapest. q_len 1 and 3 (two head groups of 16 rows), empty
+    # requests and graph padding rows among them.
+    monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)
+    one_per_program = decode_module.plan_splits
+
+    def plan(*args):  # (persistent is plan_splits' tenth argument)
+        return one_per_program(*args[:9], False, *args[10:])
+
+    monkeypatch.setattr(decode_module, "plan_splits", plan)
+    extra = max(7, multiprocessor_count(torch.device(DEVICE)) // 3)
+    for num_heads, q_len in ((4, 1), (8, 3)):
+        args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, extra, 700,
+                                seed=60 + block_size + q_len)
+        plans: dict = {}
+        _check_decode(args, torch.float32, config=TINY_DECODE, plans=plans)
+        (plan,) = plans.values()
+        _assert_even_plan(plan)
+
+
 @runnable
 def test_decode_few_requests_take_shorter_pieces() -> None:
     # A config's few_min_chunk replaces its min_chunk for batches of at most
@@ -481,11 +515,14 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
           forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
           lone_wave: float = LONE_WAVE) -> tuple[SplitPlan, list[list[int]]]:
     """A plan for lengths `lens` (one query token each), checked for what every plan must
-    be: each request's positions [0, len) covered by its pieces in order, each piece of
-    whole tiles but the last, at most max_pieces pieces, consecutive rows, each with
-    its request's seq_len, first token and q_len; every request once; the other rows
-    idle; the cut requests listed in the order of their rows; program p's pieces the
-    rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent plan)."""
+    be: each request's positions [0, len) covered by its pieces in the order of their
+    partial indices, which are consecutive, each piece of whole tiles but the last, at
+    most max_pieces pieces, each row with its request's seq_len, first token and q_len;
+    every request once; the partial indices of the used rows a permutation of them, and
+    the rows in their order (or, in the even plan, longest first); the other rows idle;
+    the cut requests listed in the order of their partials, with their first; program
+    p's pieces the rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent
+    plan). Returns the plan and its used rows."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
                        cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent,
@@ -494,22 +531,30 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     starts = plan.starts.tolist()
     assert len(starts) == plan.programs + 1 and starts[0] == 0
     assert all(a <= b for a, b in itertools.pairwise(starts))
-    taken, cut, seen = 0, [], []
-    while taken < len(work) and work[taken][0] >= 0:
-        b, count = work[taken][0], work[taken][3]
+    taken = sum(1 for row in work if row[0] >= 0)
+    assert all(row[0] >= 0 for row in work[:taken])
+    assert all(r == [-1] + [0] * 7 for r in work[taken:])
+    assert sorted(row[7] for row in work[:taken]) == list(range(taken))
+    by_partial = sorted(work[:taken], key=lambda row: row[7])
+    if [row[7] for row in work[:taken]] != list(range(taken)):  # the even plan
+        assert plan.rows == plan.programs
+        sizes = [row[2] - row[1] for row in work[:taken]]
+        assert sizes == sorted(sizes, reverse=True)
+    at, cut, seen = 0, [], []
+    while at < taken:
+        b, count = by_partial[at][0], by_partial[at][3]
         n = lens[b]
         assert 1 <= count <= plan.max_pieces
-        rows = work[taken:taken + count]
-        assert all(r[0] == b and r[3] == count and r[4:8] == [n, b, 1, 0] for r in rows)
+        rows = by_partial[at:at + count]
+        assert all(r[0] == b and r[3] == count and r[4:7] == [n, b, 1] for r in rows)
         assert rows[0][1] == 0 and rows[-1][2] == n
         for row, after in itertools.pairwise(rows):
             assert row[2] == after[1] and row[1] < row[2] and (row[2] - row[1]) % cfg.block_n == 0
         if count > 1:
-            cut.append([b, taken, 0, count, n, b, 1, 0])
+            cut.append([b, at, 0, count, n, b, 1, 0])
         seen.append(b)
-        taken += count
+        at += count
     assert sorted(seen) == list(range(len(lens)))
-    assert all(r == [-1] + [0] * 7 for r in work[taken:])
     assert starts[-1] == taken
     if plan.rows == plan.programs:
         assert starts == [min(p, taken) for p in range(plan.programs + 1)]
@@ -547,32 +592,33 @@ def test_split_plan_uniform_batches() -> None:
     plan, work = _plan([4096] * 256, 1, 132, cfg16)
     assert len(work) == 256 and plan.programs == 256 + 132
     # Just past a wave, a second wave of whole requests would run 8 of them alone for
-    # as long as the first: every request is cut, into 2 or 3 pieces so that the pieces
-    # fill three waves. Priced for the fp8 16-row kernel (one piece per program, bound
-    # by its chains: each piece pays its start, and a partial wave runs hardly faster
-    # than a full one; 140 x 4k on an H200: 148.8 us whole, 124.6 in four waves of 3 or
-    # 4 pieces per request, 120.1-121.6 in this layout).
+    # as long as the first. Priced for the fp8 16-row kernel (one piece per program,
+    # bound by its chains: each piece pays its start, and a partial wave runs hardly
+    # faster than a full one), the batch takes the even plan: runs of 68 tiles, each a
+    # whole request and 4 tiles of the next, their pieces a program each, longest first
+    # (140 x 4k on an H200: 148.8 us whole, 122.0 in three waves of 2 or 3 pieces per
+    # request, 106.6 so; session 41).
     from pagedmla.ops.triton import decode_hopper_fp8
 
     fp8 = {"past_overhead": decode_hopper_fp8.PAST_WAVE_TILES,
            "lone_wave": decode_hopper_fp8.LONE_WAVE}
     plan, work = _plan([4096] * 140, 1, 132, cfg16, **fp8)
     assert plan.programs == 140 + EXTRA_WAVES * 132
-    assert sorted(set(_pieces(work))) == [2, 3] and len(work) == 3 * 132
-    assert max(_tiles(w, 64) for w in work) == 32
-    # The bigger pieces (2 per request) take the first programs, the smaller ones the
-    # last, not interleaved (bf16, 140 x 4k in 3 or 4 pieces: 182 us so, 193
-    # interleaved).
-    assert [w[3] for w in work[:48]] == [2] * 48 and work[48][3] == 3
-    # Short requests fill two waves of 1 or 2 pieces per request (fp8, 133 x 1088:
-    # 54.8-55.1 us; whole 55.5, three waves 57.2).
+    assert len(work) == 263 and [_tiles(w, 64) for w in work[:9]] == [64] * 9
+    assert any(w[7] != i for i, w in enumerate(work))  # rows out of their partials' order
+    # Short requests too: 133 x 1088 in runs of 18 tiles (48.3 us; 54.8 in two waves of
+    # 1 or 2 pieces per request). At 170 x 1088 (runs of 22 tiles, 294 pieces) the
+    # busiest slot would run three programs: two waves of 1 or 2 pieces per request
+    # (56.0 us; 58.5 the even plan).
     plan, work = _plan([1088] * 133, 1, 132, cfg16, **fp8)
+    assert len(work) == 251 and max(_tiles(w, 64) for w in work) == 17
+    plan, work = _plan([1088] * 170, 1, 132, cfg16, **fp8)
     assert sorted(set(_pieces(work))) == [1, 2] and len(work) == 2 * 132
-    # 200 requests fill their second wave half-way: 64 of them are cut in two, so that
-    # the pieces fill two waves (fp8: 156.5-156.9 us; whole requests 155.5, the rule's
-    # choice of session 39, three waves, 158.8-159.4).
-    plan, work = _plan([4096] * 200, 1, 132, cfg16, **fp8)
-    assert _pieces(work).count(2) == 64 and len(work) == 2 * 132
+    assert all(w[7] == i for i, w in enumerate(work))
+    # A uniform batch that nearly fills its second wave stays whole (256 x 4k: 163.6 us;
+    # the even plan 173.3).
+    plan, work = _plan([4096] * 256, 1, 132, cfg16, **fp8)
+    assert len(work) == 256
     # A last wave of whole requests filled to 0.67 (220 requests) leaves EXTRA_WAVES of
     # room for finer pieces where a partial wave is priced above that (fp8: 0.9), one
     # wave where it is priced below (a memory-bound kernel's 0.6).
@@ -610,23 +656,17 @@ def test_split_plan_on_random_batches() -> None:
         _plan(lens, groups, slots, cfg16)
 
 
-def _rule_pieces(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int, past_overhead: int = 0,
-                 lone_wave: float = LONE_WAVE) -> list[int] | None:
-    """Each request's piece count by the rule `split_plan`'s docstring states, worked
-    out here in float64 within the plan's bounds (programs, max_pieces); None where two
-    candidates sit at the 3% margin, which float32 may round either way."""
-    choice = _rule_choice(lens, head_groups, slots, cfg, programs, max_pieces, past_overhead,
-                          lone_wave)
-    return None if choice is None else choice[1]
-
-
 def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
                  programs: int, max_pieces: int, past_overhead: int = 0,
-                 lone_wave: float = LONE_WAVE) -> tuple[float, list[int]] | None:
-    """(the cheapest candidate's cost, the chosen candidate's piece counts) of
-    `_rule_pieces`, or None as there. past_overhead and lone_wave: the stage-1 kernel's
-    cost of a piece past one wave and of a last partial wave there (`plan_splits`)."""
+                 lone_wave: float = LONE_WAVE, one_per_program: bool = False,
+                 ) -> tuple[float, list[int], bool] | None:
+    """The plan by the rule `split_plan`'s docstring states, worked out here in float64
+    within the plan's bounds (programs, max_pieces): (the cheapest candidate's cost,
+    each request's piece count, whether it is the even plan); None where two candidates
+    sit at a margin, which float32 may round either way. past_overhead and lone_wave: the
+    stage-1 kernel's cost of a piece past one wave and of a last partial wave there
+    (`plan_splits`); one_per_program: the kernel runs a piece per program, so that the
+    even plan is a candidate past one wave."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
     live = len(tiles) - empty
@@ -667,7 +707,24 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
     best = min(c[0] for c in candidates)
     if any(abs(c[0] * 0.97 - best) < 1e-5 * best for c in candidates):
         return None
-    return best, min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3]
+    if one_per_program and past_wave:
+        # The even plan: the persistent plan's runs for one wave of programs, their pieces
+        # a program each; the busiest slot runs ceil(pieces x head_groups / slots).
+        runs = _stream_runs(lens, goal, cfg.block_n)
+        layout = [0] * len(lens)
+        for run in runs:
+            for b, *_ in run:
+                layout[b] += 1
+        count = sum(n for n, t in zip(layout, tiles) if t)
+        share = -(-sum(max(t, 1) for t in tiles) // goal)
+        cost = share + STREAM_TILES + -(-count * head_groups // slots) * (past_overhead + partial)
+        if max(layout) <= max_pieces and sum(layout) <= programs:
+            if abs(cost - best) < 1e-5 * best:
+                return None
+            if cost < best:
+                return cost, layout, True
+    return (best, min((c for c in candidates if c[0] * 0.97 <= best), key=lambda c: c[1:3])[3],
+            False)
 
 
 def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[int] | None:
@@ -694,25 +751,34 @@ def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
     module = importlib.import_module(f"pagedmla.ops.triton.{kernel}")
     prices = (module.PAST_WAVE_TILES, module.LONE_WAVE)
     cfg16 = DECODE_CONFIGS["rows16"]
-    cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 150, 200, 256, 300)]
+    cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
     cases += [([4096] * 140, 1), ([1088] * 132 + [0] * 12 + [4096] * 8, 1), ([2048] * 150, 2)]
     seed = int(torch.randint(0, 2**31, ()).item())
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(10):
+    for _ in range(8):
         cases.append((_random_lens(gen, 1), int(torch.randint(1, 3, (), generator=gen))))
     checked = 0
+    kinds = set()
     for lens, groups in cases:
         plan, work = _plan(lens, groups, 132, cfg16, None, False, *prices)
-        want = _rule_pieces(lens, groups, 132, cfg16, plan.programs, plan.max_pieces, *prices)
-        if want is not None:
+        choice = _rule_choice(lens, groups, 132, cfg16, plan.programs, plan.max_pieces,
+                              *prices, one_per_program=True)
+        if choice is not None and choice[2]:  # the even plan: its pieces, longest first
+            kinds.add("even")
+            want = [piece for run in _stream_runs(lens, -(-132 // groups), 64) for piece in run]
+            assert sorted(row[:3] for row in work) == sorted(want), (len(lens), groups)
+            checked += 1
+        elif choice is not None:
+            kinds.add("scored")
+            want = choice[1]
             assert _pieces(work) == want, (len(lens), groups, max(lens))
             order = _rule_order(lens, want, cfg16)
             firsts = [row[0] for i, row in enumerate(work) if i == 0 or work[i - 1][0] != row[0]]
             assert order is None or firsts == order, (len(lens), groups, max(lens))
             checked += 1
-    assert checked >= len(cases) - 2
+    assert checked >= len(cases) - 2 and kinds == {"even", "scored"}
 
 
 @runnable
@@ -1392,6 +1458,40 @@ def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len
     (plan,) = plans.values()
     assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
     _check_hopper_decode(args, num_heads * q_len, False, None)
+
+
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize(("kernel", "num_heads", "q_len", "cache"),
+                         [("decode_hopper_fp8", 16, 1, "fp8"), ("decode_hopper_fp8", 16, 2, "fp8"),
+                          ("decode_hopper_heads", 128, 1, "bf16"),
+                          ("decode_hopper_heads", 64, 2, "fp16"),
+                          ("decode_hopper_heads", 128, 1, "fp8")])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_gpu_hopper_even_plan(kernel: str, num_heads: int, q_len: int, cache: str,
+                                     block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernels that run one piece per program, on a batch past one wave (ragged
+    # lengths, empty requests, graph padding rows) with the even plan made the cheapest:
+    # pieces of unequal size, their rows longest first and their partials at their
+    # indices, not their rows'. The 64-row kernel's wave is half as many requests (two
+    # head groups at N = 128; q_len 2 x N 64).
+    module = importlib.import_module(f"pagedmla.ops.triton.{kernel}")
+    monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)
+    sms = multiprocessor_count(torch.device("cuda"))
+    extra = 40 if num_heads * q_len <= 32 else 40 - sms // 2
+    dtype = torch.float16 if cache == "fp16" else torch.bfloat16
+    args = _persistent_case(num_heads, q_len, 512, block_size, dtype, extra, 4097,
+                            seed=980 + block_size + num_heads + q_len)
+    if cache == "fp8":
+        args = (args[0], (args[1].float() / 2).to(FP8), torch.tensor(2.0, device="cuda"),
+                *args[3:])
+    num_rows = num_heads * q_len
+    assert hopper_kernel(args[0], args[1], num_rows, 512) is module
+    plans: dict = {}
+    _check_decode(args, torch.bfloat16, plans=plans)
+    (plan,) = plans.values()
+    _assert_even_plan(plan)
+    _check_hopper_decode(args, num_rows, cache == "fp8", None)
 
 
 @pytest.mark.cuda

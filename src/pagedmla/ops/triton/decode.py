@@ -166,11 +166,12 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
 
 @triton.jit
 def _load_piece(work_ptr, piece):
-    """(request, lo, hi, the request's piece count, seq_len, first token, q_len) from
-    row `piece` of a split plan's work."""
+    """(request, lo, hi, the request's piece count, seq_len, first token, q_len, the
+    index of its partial on the partial buffer's piece axis) from row `piece` of a
+    split plan's work."""
     row = work_ptr + WORK_FIELDS * piece
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
-            tl.load(row + 4), tl.load(row + 5), tl.load(row + 6))
+            tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7))
 
 
 @triton.jit
@@ -353,9 +354,9 @@ def _decode_partial_kernel(
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
     through data_ptr. A request in one piece gets its final out [T, N, L] (q dtype) and
     lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
-    float32 partials, at row (token x N + head) x num_pieces + piece of part [.., L] and
-    part_lse (a row's pieces adjacent); a row whose piece holds no visible key gets lse
-    -inf and no output (the combine never reads it).
+    float32 partials, at row (token x N + head) x num_pieces + the piece's partial index
+    (field 7) of part [.., L] and part_lse (a row's pieces adjacent); a row whose piece
+    holds no visible key gets lse -inf and no output (the combine never reads it).
     """
     program = tl.program_id(1)
     for piece in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
@@ -382,7 +383,7 @@ def _decode_piece(
 ):
     """Head group program_id(0) of work row `piece` (see `_decode_partial_kernel`)."""
     group = tl.program_id(0)
-    req, lo, hi, pieces, seq_len, q_begin, q_len = _load_piece(work_ptr, piece)
+    req, lo, hi, pieces, seq_len, q_begin, q_len, partial = _load_piece(work_ptr, piece)
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -490,7 +491,7 @@ def _decode_piece(
                  mask=row_ok[:, None] & (cols[None, :] + HALF_L < L))
         tl.store(lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     else:
-        at = rows.to(tl.int64) * num_pieces + piece
+        at = rows.to(tl.int64) * num_pieces + partial
         store_ok = (row_ok & has_key)[:, None]
         tl.store(part_ptr + at[:, None] * L + cols[None, :], out_a,
                  mask=store_ok & (cols[None, :] < L))

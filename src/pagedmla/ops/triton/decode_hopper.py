@@ -98,13 +98,12 @@ def pages_copyable(data: torch.Tensor) -> bool:
 
 @gluon.jit
 def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr):
-    """Where a program of one piece works: its head group and piece from the grid, and
-    the piece's `piece_slice`."""
+    """Where a program of one piece works: its head group from the grid, and the
+    `piece_slice` of its piece (its row of the work, program_id(1))."""
     group = gl.program_id(0)
-    piece = gl.program_id(1)
-    pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = piece_slice(
-        work_ptr, piece, group, num_heads, BLOCK_H, TILE_N)
-    return group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+    pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = piece_slice(
+        work_ptr, gl.program_id(1), group, num_heads, BLOCK_H, TILE_N)
+    return group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial
 
 
 @gluon.jit
@@ -112,8 +111,9 @@ def piece_slice(work_ptr, piece, group, num_heads, BLOCK_H: gl.constexpr,
                 TILE_N: gl.constexpr):
     """Head group `group` of row `piece` of the split plan's work (`split_plan`, WORK
     fields): the request's piece count, the request, its seq_len, first token and q_len
-    (all 0 for an idle row, which gets no rows); the query rows (q_len x N); and the
-    positions [lo, hi) in num_tiles tiles of TILE_N. A piece stops at the last position
+    (all 0 for an idle row, which gets no rows); the query rows (q_len x N); the
+    positions [lo, hi) in num_tiles tiles of TILE_N; and the index of the piece's
+    partial on the partial buffer's piece axis. A piece stops at the last position
     any of the group's rows sees (bottom-right causal), and is empty for a group past
     the rows."""
     row = work_ptr + WORK_FIELDS * piece
@@ -128,7 +128,7 @@ def piece_slice(work_ptr, piece, group, num_heads, BLOCK_H: gl.constexpr,
     hi = gl.minimum(gl.load(row + 2), seq_len - q_len + last_tok + 1)
     hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
-    return pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles
+    return pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, gl.load(row + 7)
 
 
 @gluon.jit
@@ -363,12 +363,12 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi
 
 
 @gluon.jit
-def _store_piece(acc_a, acc_b, m_i, l_i, group, piece, pieces, q_begin, num_rows, num_heads,
+def _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_rows, num_heads,
                  num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_ot, stride_oh,
                  stride_lt, stride_lh, L: gl.constexpr, mma: gl.constexpr):
     """A piece's result from `_consume`'s state: the final out and lse of a request in one
-    piece, else float32 partials at row (token x N + head) x num_pieces + piece (a
-    partial with no visible key is never read: not stored).
+    piece, else float32 partials at row (token x N + head) x num_pieces + partial (the
+    piece's partial index; a partial with no visible key is never read: not stored).
 
     O^T [HALF_L, BLOCK_H] halves are stored straight from the accumulators' registers:
     each store instruction covers 8 adjacent columns (32 bytes of float32) of 4 rows.
@@ -395,7 +395,7 @@ def _store_piece(acc_a, acc_b, m_i, l_i, group, piece, pieces, q_begin, num_rows
                  out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:
-        at = r_st.to(gl.int64) * num_pieces + piece
+        at = r_st.to(gl.int64) * num_pieces + partial
         store_ok = row_ok & (lse > float("-inf"))
         gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
         gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
@@ -420,7 +420,7 @@ def _consume_run(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, wo
     qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
     base = 0
     for piece in range(run_begin, run_end):
-        pieces, _, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles = piece_slice(
+        pieces, _, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = piece_slice(
             work_ptr, piece, group, num_heads, BLOCK_H, TILE_N)
         if piece > run_begin:
             x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
@@ -439,7 +439,7 @@ def _consume_run(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, wo
         base += num_tiles
         if piece == run_end - 1:
             gdc_launch_dependents()  # the combine may launch now; it waits for this grid
-        _store_piece(acc_a, acc_b, m_i, l_i, group, piece, pieces, q_begin, num_rows,
+        _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_rows,
                      num_heads, num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
                      stride_ot, stride_oh, stride_lt, stride_lh, L, mma)
 
@@ -457,8 +457,8 @@ def _produce_run(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, t
                   lo, hi, first, num_tiles, 0, PAGE, STAGES)
     base = num_tiles
     for piece in range(run_begin + 1, run_end):
-        _, req, _, _, _, _, lo, hi, num_tiles = piece_slice(work_ptr, piece, group, num_heads,
-                                                            BLOCK_H, TILE_N)
+        _, req, _, _, _, _, lo, hi, num_tiles, _ = piece_slice(work_ptr, piece, group,
+                                                               num_heads, BLOCK_H, TILE_N)
         produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                       block_table_ptr + req.to(gl.int64) * stride_bt, lo, hi, 0, num_tiles,
                       base, PAGE, STAGES)
@@ -494,7 +494,7 @@ def _decode_partial_ws_kernel(
         run_begin = gl.load(starts_ptr + run_begin)
     else:
         run_end = run_begin + 1
-    pieces, req, _, q_begin, _, num_rows, lo, hi, num_tiles = piece_slice(
+    pieces, req, _, q_begin, _, num_rows, lo, hi, num_tiles, _ = piece_slice(
         work_ptr, run_begin, group, num_heads, BLOCK_H, TILE_N)
     if run_begin == run_end or pieces == 0:  # an idle program: exit before any set-up
         return

@@ -430,8 +430,8 @@ def _decode_fp8_kernel(
     """One piece, as `decode_hopper._decode_partial_ws_kernel` with an fp8 cache."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     kv_scale = gl.load(scale_ptr)  # first: its round trip overlaps the work row's
-    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
-     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+    (group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
+     partial) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
     if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
         return
 
@@ -504,7 +504,7 @@ def _decode_fp8_kernel(
     token = (q_begin + r_st // num_heads).to(gl.int64)
     head = (r_st % num_heads).to(gl.int64)
     out_cols = out_ptr + token * stride_ot + head * stride_oh
-    at = r_st.to(gl.int64) * gl.num_programs(1) + piece
+    at = r_st.to(gl.int64) * gl.num_programs(1) + partial
     part_cols = part_ptr + at * L
     store_ok = row_ok & (lse > float("-inf"))  # a partial with no visible key is never read
     _store_block(acc0, norm, 0, out_cols, part_cols, row_ok, store_ok, pieces, store)

@@ -349,8 +349,8 @@ def _decode_heads_kernel(
     (`_prefetch_rows`). Pieces start at multiples of TILE_N (the split plan's tile).
     num_warps = 8: the two output warpgroups."""
     HALF_L: gl.constexpr = L // 2
-    (group, piece, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi,
-     num_tiles) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
+    (group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
+     partial) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
     if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
         return
 
@@ -455,7 +455,7 @@ def _decode_heads_kernel(
                  out_b.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:  # a partial with no visible key is never read: not stored
-        at = r_out.to(gl.int64) * gl.num_programs(1) + piece
+        at = r_out.to(gl.int64) * gl.num_programs(1) + partial
         store_ok = row_ok & (lse > float("-inf"))
         gl.store(part_ptr + at[:, None] * L + out_cols[None, :], out_a,
                  mask=store_ok[:, None])

@@ -68,16 +68,30 @@ whose last wave is nearly full keeps them (H200, N = 16: 256 x 4k whole 288.8 us
 persistent 299.1), one just past a wave does not (140 x 4k: 178.9 us, the whole-wave
 plan 184.6).
 
+The even plan. A stage-1 kernel that runs one piece per program (the fp8 16-row and
+the 64-row kernels) can still take the persistent plan's even cut: its pieces, each
+its own program, dispatched longest first (the rows sorted by size, so the GPU's
+in-order starts make it list scheduling). Each piece pays its start and its partial
+here, and the busiest slot runs ceil(pieces x head_groups / slots) of them, so it
+costs share + STREAM + that many x (past_overhead + PARTIAL) tiles; it is taken past
+one wave where that beats the scored plan's best and its pieces fit the grid and
+max_pieces. It serves batches just past one wave, which the scored family can only cut
+in whole-tile pieces per request, two or three waves of them with a ragged last one
+(H200, N = 128 bf16, 67 x 4k: scored 197.9 us, even 172.1; 100 x 8k: 504.0 / 457;
+fp8 N = 16, 140 x 4k: 122.0 / 106.6), and loses to it where a wave of whole requests
+is nearly full (fp8 N = 16 256 x 4k, N = 128 128 x 4k; 170 x 1088 fp8: 58.5 / 56.0).
+
 The plan is three int32 tensors: `work`, WORK-field rows, one per piece (request, first
-position, end position, the request's piece count, and the request's seq_len, first
-token and q_len, so that a program learns its work in one round trip), request -1 for
-rows past the last piece; `starts`, program p's pieces being rows starts[p] ..
-starts[p + 1] - 1 (row p alone, or none, but in the persistent plan); and `cut`, one
-WORK-field row per request cut in more than one piece (request, its first row, its
-piece count, ...), which the combine runs over, so that a batch none of whose requests
-is cut costs it next to nothing. A request's pieces are consecutive rows (the requests
-in the order above), so each of its query rows has its partials side by side in the
-partial buffer ([token, head, row, L]).
+position, end position, the request's piece count, the request's seq_len, first token
+and q_len, so that a program learns its work in one round trip, and the piece's partial
+index), request -1 for rows past the last piece; `starts`, program p's pieces being
+rows starts[p] .. starts[p + 1] - 1 (row p alone, or none, but in the persistent plan);
+and `cut`, one WORK-field row per request cut in more than one piece (request, its
+first partial index, its piece count, ...), which the combine runs over, so that a
+batch none of whose requests is cut costs it next to nothing. A request's pieces have
+consecutive partial indices, so each of its query rows has its partials side by side
+in the partial buffer ([token, head, partial, L]) whatever order the rows run in; the
+partial index is the row's own but in the even plan.
 """
 
 from __future__ import annotations
@@ -117,7 +131,7 @@ _BLOCK_J = 32  # pieces of a request per step of the persistent plan's loop
 # that much: H200, N = 16, 256 x 4k in two waves of whole requests 288.8 us, persistent
 # 299.1 (share 125 tiles, 128 for the waves); 200 x 4k 244.8 / 240.4.
 STREAM_TILES = 2
-WORK = 8  # int32 fields per row of the plan's work and cut (7 used; 32 bytes)
+WORK = 8  # int32 fields per row of the plan's work and cut (32 bytes)
 WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
 
 
@@ -126,9 +140,9 @@ class SplitPlan:
     """A batch's pieces (see the module docstring).
 
     work int32 [rows, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
-    first token, q_len) per piece; cut int32 [max_cut, WORK]: (request, its first
-    piece, 0, its pieces, seq_len, first token, q_len) for each request in more than one
-    piece, in the order of their pieces, then rows of request -1; starts int32
+    first token, q_len, partial index) per piece; cut int32 [max_cut, WORK]: (request,
+    its first partial index, 0, its pieces, seq_len, first token, q_len, 0) for each
+    request in more than one piece, then rows of request -1; starts int32
     [programs + 1]: stage-1 program p takes the pieces starts[p] .. starts[p + 1] - 1
     (just piece p but in the persistent plan). programs, max_pieces and max_cut (cut's
     length) are host bounds: the stage-1 grid, the most pieces any request gets, the
@@ -163,9 +177,9 @@ def _tiles(seq_lens_ptr, b, num_reqs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, mask):
+def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, partial, mask):
     """Rows of WORK int32 at `at` (a tensor of row addresses): (req, a, b, pieces,
-    seq_len, q_begin, q_len, 0), each value broadcast to `at`'s shape, where mask."""
+    seq_len, q_begin, q_len, partial), each value broadcast to `at`'s shape, where mask."""
     zero = tl.zeros(at.shape, tl.int32)
     tl.store(at, zero + req, mask=mask)
     tl.store(at + 1, zero + a, mask=mask)
@@ -174,7 +188,7 @@ def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, mask):
     tl.store(at + 4, zero + seq_len, mask=mask)
     tl.store(at + 5, zero + q_begin, mask=mask)
     tl.store(at + 6, zero + q_len, mask=mask)
-    tl.store(at + 7, zero, mask=mask)
+    tl.store(at + 7, zero + partial, mask=mask)
 
 
 @triton.jit
@@ -210,7 +224,7 @@ def _plan_kernel(
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
     PAST_OVERHEAD: tl.constexpr, PARTIAL: tl.constexpr, LONE: tl.constexpr,
     PERSISTENT: tl.constexpr, STREAM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
     the longest request's piece count instead of scoring the candidates. PERSISTENT:
@@ -274,36 +288,58 @@ def _plan_kernel(
     w_goal = tl.min(tl.where(w_near & (w_count == w_fewest), goal, 2**30), 0)
     chosen_count = tl.where(whole, w_fewest, tl.sum(tl.where(s == chosen, count, 0), 0))
 
-    # (The scored rows are written from two places: a flag bound under the constexpr
-    # and branched on after it keeps the persistent branch, and its unbound `share`, in
-    # the compiled kernel of a non-persistent plan.)
+    # Each plan's rows are written from the branch that chose it: a flag bound under the
+    # constexpr and branched on after it kept the persistent branch, and its unbound
+    # `share`, in the compiled kernel of a non-persistent plan.
+    runs = (slots + head_groups - 1) // head_groups  # one wave of programs
+    share = tl.maximum(tl.cdiv(total + empty, runs), 1)
     if PERSISTENT:
-        runs = (slots + head_groups - 1) // head_groups  # one wave of programs
-        share = tl.maximum(tl.cdiv(total + empty, runs), 1)
         if past_wave & (forced == 0) & ((share + STREAM).to(tl.float32) < best):
             first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-                                       starts_ptr, num_reqs, programs, share, BLOCK_N,
-                                       BLOCK_J, BLOCK_B, BLOCK_P)
+                                       num_reqs, share, BLOCK_N, BLOCK_J, BLOCK_B)
+            _stream_starts(seq_lens_ptr, starts_ptr, num_reqs, programs, share, BLOCK_N,
+                           BLOCK_B, BLOCK_P)
         else:
             first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-                                       starts_ptr, num_reqs, programs, whole, total, w_goal,
-                                       tiles, chosen_count, max_pieces, MIN_TILES, BLOCK_N,
-                                       BLOCK_S, BLOCK_B, BLOCK_P)
+                                       num_reqs, whole, total, w_goal, tiles, chosen_count,
+                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
+            _piece_starts(starts_ptr, programs, first, BLOCK_P)
     else:
-        first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
-                                   starts_ptr, num_reqs, programs, whole, total, w_goal,
-                                   tiles, chosen_count, max_pieces, MIN_TILES, BLOCK_N,
-                                   BLOCK_S, BLOCK_B, BLOCK_P)
+        # The even plan: the persistent plan's pieces, a program each, longest first.
+        e_count = tl.full([], 0, tl.int32)  # its live pieces
+        e_rows = tl.full([], 0, tl.int32)  # and rows (an empty request's among them)
+        e_most = tl.full([], 0, tl.int32)  # the most pieces of one request
+        done = tl.full([], 0, tl.int32)
+        for b0 in range(0, num_reqs, BLOCK_B):
+            w, _, _, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done, share, BLOCK_N)
+            t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
+            e_count += tl.sum(tl.where(t > 0, n, 0), 0)
+            e_rows += tl.sum(n, 0)
+            e_most = tl.maximum(e_most, tl.max(n, 0))
+            done += tl.sum(w, 0)
+        # The busiest slot runs ceil(pieces x head_groups / slots) programs, each paying
+        # a piece's start and its partial.
+        e_cost = (share + STREAM
+                  + tl.cdiv(e_count * head_groups, slots) * (PAST_OVERHEAD + PARTIAL)
+                  ).to(tl.float32)
+        if (past_wave & (forced == 0) & (e_cost < best) & (e_most <= max_pieces)
+                & (e_rows <= programs)):
+            first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                       num_reqs, share, BLOCK_N, BLOCK_J, BLOCK_B)
+            _longest_first(work_ptr, first, BLOCK_R)
+        else:
+            first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
+                                       num_reqs, whole, total, w_goal, tiles, chosen_count,
+                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
+        _piece_starts(starts_ptr, programs, first, BLOCK_P)
     _idle_rows(work_ptr, cut_ptr, first, rows, cuts, max_cut, BLOCK_P)
 
 
 @triton.jit
-def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, num_reqs,
-                 programs, whole, total, w_goal, tiles, chosen_count, max_pieces,
-                 MIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Write the scored plan's rows and cut list, and starts: a piece per program, p for
-    program p; returns the pieces and the cut requests.
+def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, whole, total,
+                 w_goal, tiles, chosen_count, max_pieces, MIN_TILES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Write the scored plan's rows and cut list; returns the pieces and the cut requests.
 
     Each request in equal whole-tile pieces, as many as the chosen candidate gives it:
     a whole-wave candidate's share (`whole`, of w_goal pieces) or pieces of at most
@@ -337,17 +373,46 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, n
             first += tl.sum(n, 0)
             is_cut = (n > 1).to(tl.int32)
             listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
-            _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
+            _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
             cuts += tl.sum(is_cut, 0)
             lo = j[None, :] * (step * BLOCK_N)[:, None]
             hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
             at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
             _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None],
-                       q_begin[:, None], q_len[:, None], j[None, :] < n[:, None])
+                       q_begin[:, None], q_len[:, None], start[:, None] + j[None, :],
+                       j[None, :] < n[:, None])
+    return first, cuts
+
+
+@triton.jit
+def _piece_starts(starts_ptr, programs, used, BLOCK_P: tl.constexpr):
+    """starts of a plan of a piece per program: program p takes row p (none past `used`)."""
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, programs + 1, BLOCK_P):
-        tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, first), mask=p0 + p <= programs)
-    return first, cuts
+        tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, used), mask=p0 + p <= programs)
+
+
+@triton.jit
+def _longest_first(work_ptr, used, BLOCK_R: tl.constexpr):
+    """Reorder work rows 0 .. used - 1 (used <= BLOCK_R) by their positions (hi - lo),
+    the most first, equal ones in their order: the GPU starts programs in grid order as
+    multiprocessors free up, so this is longest-first list scheduling. A row keeps its
+    partial index, so a request's partials stay side by side."""
+    r = tl.arange(0, BLOCK_R)
+    live = r < used
+    fields = tl.arange(0, WORK_FIELDS)
+    tl.debug_barrier()  # the rows were stored by other threads of this program
+    size = (tl.load(work_ptr + WORK_FIELDS * r + 2, mask=live, other=0)
+            - tl.load(work_ptr + WORK_FIELDS * r + 1, mask=live, other=0))
+    # Sort keys: size in the high half, the row reversed in the low half (so that equal
+    # sizes keep their order under a descending sort); idle rows last.
+    key = tl.where(live, (size.to(tl.int64) << 32) | (BLOCK_R - 1 - r).to(tl.int64), -1)
+    source = (BLOCK_R - 1 - (tl.sort(key, 0, descending=True) & 0xFFFFFFFF)).to(tl.int32)
+    at = WORK_FIELDS * r[:, None] + fields[None, :]
+    moved = tl.load(work_ptr + WORK_FIELDS * source[:, None] + fields[None, :],
+                    mask=live[:, None], other=0)
+    tl.debug_barrier()  # every row is read before any is overwritten
+    tl.store(work_ptr + at, moved, mask=live[:, None])
 
 
 @triton.jit
@@ -355,10 +420,10 @@ def _idle_rows(work_ptr, cut_ptr, used, rows, cuts, max_cut, BLOCK_P: tl.constex
     """Request -1 in the work rows from `used` on and the cut rows from `cuts` on."""
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, rows, BLOCK_P):
-        _store_row(work_ptr + WORK_FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0,
+        _store_row(work_ptr + WORK_FIELDS * (p0 + p), -1, 0, 0, 0, 0, 0, 0, 0,
                    (p0 + p >= used) & (p0 + p < rows))
     for c0 in range(0, max_cut, BLOCK_P):
-        _store_row(cut_ptr + WORK_FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0,
+        _store_row(cut_ptr + WORK_FIELDS * (c0 + p), -1, 0, 0, 0, 0, 0, 0, 0,
                    (c0 + p >= cuts) & (c0 + p < max_cut))
 
 
@@ -377,14 +442,12 @@ def _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, num_reqs,
-                 programs, share, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-                 BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Write the persistent plan's rows, cut list and starts (see the module docstring);
-    returns the pieces and the cut requests. The batch's tiles in request order, an
-    empty request weighing one, are cut into runs of `share`; program p takes the
-    pieces (one per request it meets) of tiles [p share, (p + 1) share), work rows
-    starts[p] .. starts[p + 1] - 1 (none past the last run, up to `programs`)."""
+def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, share,
+                 BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Write the persistent plan's rows and cut list (see the module docstring); returns
+    the pieces and the cut requests. The batch's tiles in request order, an empty
+    request weighing one, are cut into runs of `share`: run p's pieces (one per request
+    it meets) are those of tiles [p share, (p + 1) share), in request order."""
     reqs = tl.arange(0, BLOCK_B)
     j = tl.arange(0, BLOCK_J)
     done = tl.full([], 0, tl.int32)
@@ -400,7 +463,7 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, n
         start = first + tl.cumsum(n, 0) - n
         is_cut = (n > 1).to(tl.int32)
         listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
-        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, is_cut > 0)
+        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
         for j0 in range(0, tl.max(n, 0), BLOCK_J):
             k = j0 + j[None, :]
             run = (p_first[:, None] + k) * share  # the piece's program's first tile
@@ -408,25 +471,32 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr, n
             hi = tl.minimum(run + share, (begin + w)[:, None]) - begin[:, None]
             _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None],
                        lo * BLOCK_N, tl.minimum(hi * BLOCK_N, seq_len[:, None]), n[:, None],
-                       seq_len[:, None], q_begin[:, None], q_len[:, None], k < n[:, None])
+                       seq_len[:, None], q_begin[:, None], q_len[:, None],
+                       start[:, None] + k, k < n[:, None])
         done += tl.sum(w, 0)
         first += tl.sum(n, 0)
         cuts += tl.sum(is_cut, 0)
+    return first, cuts
 
-    # starts[p]: the rows of the programs before p, sum over requests of
-    # clamp(p - p_first, 0, n).
+
+@triton.jit
+def _stream_starts(seq_lens_ptr, starts_ptr, num_reqs, programs, share, BLOCK_N: tl.constexpr,
+                   BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+    """starts of the persistent plan: program p runs the rows of run p (`_stream_rows`),
+    none past the last run, up to `programs`. starts[p] is the rows of the runs before
+    p, the sum over requests of clamp(p - p_first, 0, n)."""
+    reqs = tl.arange(0, BLOCK_B)
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, programs + 1, BLOCK_P):
         before = tl.zeros([BLOCK_P], tl.int32)
         done = tl.full([], 0, tl.int32)
         for b0 in range(0, num_reqs, BLOCK_B):
-            w, begin, p_first, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done,
-                                                share, BLOCK_N)
+            w, _, p_first, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done, share,
+                                            BLOCK_N)
             met = tl.minimum(tl.maximum((p0 + p)[:, None] - p_first[None, :], 0), n[None, :])
             before += tl.sum(met, 1)
             done += tl.sum(w, 0)
         tl.store(starts_ptr + p0 + p, before, mask=p0 + p <= programs)
-    return first, cuts
 
 
 def plan_bounds(
@@ -509,6 +579,6 @@ def plan_splits(
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=lone_wave,
         PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
         BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
-        num_warps=8,
+        BLOCK_R=next_pow2(rows), num_warps=8,
     )
     return SplitPlan(work, cut, starts, programs, max_pieces)
