@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -451,14 +452,27 @@ def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
     # more: the persistent plan runs several pieces per program, short requests packed
     # into one program, long ones cut across programs and merged by the combine; q_len
     # 1 and 3 (3 x 8 heads: two head groups of 16 rows), seq_len 0 requests among them.
+    _check_past_wave(block_size, config, 90, _assert_persistent_plan)
+
+
+def _check_past_wave(block_size: int, config: DecodeConfig, seed: int,
+                     check_plan: Callable[[SplitPlan], None]) -> None:
+    """The decode of two batches past one wave by a third of a wave or more
+    (`_persistent_case`, float32: q_len 1 at 4 heads, q_len 3 at 8 heads) against the
+    reference, each batch's plan checked by check_plan."""
     extra = max(7, multiprocessor_count(torch.device(DEVICE)) // 3)
     for num_heads, q_len in ((4, 1), (8, 3)):
         args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, extra, 700,
-                                seed=90 + block_size + q_len)
+                                seed=seed + block_size + q_len)
         plans: dict = {}
         _check_decode(args, torch.float32, config=config, plans=plans)
         (plan,) = plans.values()
-        assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
+        check_plan(plan)
+
+
+def _assert_persistent_plan(plan: SplitPlan) -> None:
+    """The plan is a persistent one: some program runs several pieces."""
+    assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
 
 
 def _assert_even_plan(plan: SplitPlan) -> None:
@@ -484,14 +498,7 @@ def test_decode_even_plan(block_size: int, monkeypatch: pytest.MonkeyPatch) -> N
         return one_per_program(*args[:9], False, *args[10:])
 
     monkeypatch.setattr(decode_module, "plan_splits", plan)
-    extra = max(7, multiprocessor_count(torch.device(DEVICE)) // 3)
-    for num_heads, q_len in ((4, 1), (8, 3)):
-        args = _persistent_case(num_heads, q_len, 32, block_size, torch.float32, extra, 700,
-                                seed=60 + block_size + q_len)
-        plans: dict = {}
-        _check_decode(args, torch.float32, config=TINY_DECODE, plans=plans)
-        (plan,) = plans.values()
-        _assert_even_plan(plan)
+    _check_past_wave(block_size, TINY_DECODE, 60, _assert_even_plan)
 
 
 @runnable
@@ -1456,7 +1463,7 @@ def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len
     plans: dict = {}
     _check_decode(args, torch.bfloat16, plans=plans)
     (plan,) = plans.values()
-    assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
+    _assert_persistent_plan(plan)
     _check_hopper_decode(args, num_heads * q_len, False, None)
 
 
