@@ -545,8 +545,7 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     by_partial = sorted(work[:taken], key=lambda row: row[7])
     if [row[7] for row in work[:taken]] != list(range(taken)):  # the even plan
         assert plan.rows == plan.programs
-        sizes = [row[2] - row[1] for row in work[:taken]]
-        assert sizes == sorted(sizes, reverse=True)
+        _assert_even_plan(plan)
     at, cut, seen = 0, [], []
     while at < taken:
         b, count = by_partial[at][0], by_partial[at][3]
@@ -774,7 +773,8 @@ def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
                               *prices, one_per_program=True)
         if choice is not None and choice[2]:  # the even plan: its pieces, longest first
             kinds.add("even")
-            want = [piece for run in _stream_runs(lens, -(-132 // groups), 64) for piece in run]
+            want = [piece for run in _stream_runs(lens, -(-132 // groups), cfg16.block_n)
+                    for piece in run]
             assert sorted(row[:3] for row in work) == sorted(want), (len(lens), groups)
             checked += 1
         elif choice is not None:

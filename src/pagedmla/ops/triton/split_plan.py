@@ -306,17 +306,8 @@ def _plan_kernel(
             _piece_starts(starts_ptr, programs, first, BLOCK_P)
     else:
         # The even plan: the persistent plan's pieces, a program each, longest first.
-        e_count = tl.full([], 0, tl.int32)  # its live pieces
-        e_rows = tl.full([], 0, tl.int32)  # and rows (an empty request's among them)
-        e_most = tl.full([], 0, tl.int32)  # the most pieces of one request
-        done = tl.full([], 0, tl.int32)
-        for b0 in range(0, num_reqs, BLOCK_B):
-            w, _, _, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done, share, BLOCK_N)
-            t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
-            e_count += tl.sum(tl.where(t > 0, n, 0), 0)
-            e_rows += tl.sum(n, 0)
-            e_most = tl.maximum(e_most, tl.max(n, 0))
-            done += tl.sum(w, 0)
+        e_count, e_rows, e_most = _stream_counts(seq_lens_ptr, num_reqs, share, BLOCK_N,
+                                                 BLOCK_B)
         # The busiest slot runs ceil(pieces x head_groups / slots) programs, each paying
         # a piece's start and its partial.
         e_cost = (share + STREAM
@@ -439,6 +430,27 @@ def _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N: tl.constexpr):
     p_first = begin // share
     n = tl.where(in_batch, (begin + w - 1) // share - p_first + 1, 0)
     return w, begin, p_first, n
+
+
+@triton.jit
+def _stream_counts(seq_lens_ptr, num_reqs, share, BLOCK_N: tl.constexpr,
+                   BLOCK_B: tl.constexpr):
+    """The persistent plan's pieces (`_stream_rows`, runs of `share` tiles): those of
+    requests with positions, all of them (an empty request's among them), and the most
+    of one request."""
+    reqs = tl.arange(0, BLOCK_B)
+    live = tl.full([], 0, tl.int32)
+    pieces = tl.full([], 0, tl.int32)
+    most = tl.full([], 0, tl.int32)
+    done = tl.full([], 0, tl.int32)
+    for b0 in range(0, num_reqs, BLOCK_B):
+        w, _, _, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done, share, BLOCK_N)
+        t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
+        live += tl.sum(tl.where(t > 0, n, 0), 0)
+        pieces += tl.sum(n, 0)
+        most = tl.maximum(most, tl.max(n, 0))
+        done += tl.sum(w, 0)
+    return live, pieces, most
 
 
 @triton.jit
