@@ -122,9 +122,15 @@ LONE_WAVE = 0.6
 # N = 16: 294.6 us with one wave of room, 296.0 with three).
 EXTRA_WAVES = 3
 WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 at most)
-_BLOCK_B = 64  # requests per step of the plan kernel's loops
+# Requests per step of the plan kernel's loops: at most 64, fewer for a smaller batch
+# (at least 16), since every step's tensors are this wide whatever the batch.
+_BLOCK_B = 64
+_MIN_BLOCK_B = 16
+# The plan kernel's warps. Measured (session 44, plan alone): 4 plan B = 1 as fast as 8
+# but fp8 batches past one wave 1.1-1.25x slower.
+_PLAN_WARPS = 8
 _BLOCK_P = 128  # programs per step of its last loop
-_BLOCK_J = 32  # pieces of a request per step of the persistent plan's loop
+_BLOCK_J = 32  # pieces of a request per step of the loops that write the rows
 # The persistent plan's cost over its even share of the batch, in tiles: the combine of
 # the requests it cuts and a piece's start at each request a program meets. It is taken
 # where it beats the scored plan's best (with its grid, whole requests past a wave) by
@@ -302,11 +308,14 @@ def _plan_kernel(
         else:
             first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
                                        num_reqs, whole, total, w_goal, tiles, chosen_count,
-                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
+                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
             _piece_starts(starts_ptr, programs, first, BLOCK_P)
     else:
         # The even plan: the persistent plan's pieces, a program each, longest first.
-        e_count, e_rows, e_most = _stream_counts(seq_lens_ptr, num_reqs, share, BLOCK_N,
+        # Its pieces are counted only where it may be taken (past one wave, not forced):
+        # over no requests else, which the condition below then turns down anyway.
+        eligible = tl.where(past_wave & (forced == 0), num_reqs, 0)
+        e_count, e_rows, e_most = _stream_counts(seq_lens_ptr, eligible, share, BLOCK_N,
                                                  BLOCK_B)
         # The busiest slot runs ceil(pieces x head_groups / slots) programs, each paying
         # a piece's start and its partial.
@@ -321,7 +330,7 @@ def _plan_kernel(
         else:
             first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
                                        num_reqs, whole, total, w_goal, tiles, chosen_count,
-                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_S, BLOCK_B)
+                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
         _piece_starts(starts_ptr, programs, first, BLOCK_P)
     _idle_rows(work_ptr, cut_ptr, first, rows, cuts, max_cut, BLOCK_P)
 
@@ -329,7 +338,7 @@ def _plan_kernel(
 @triton.jit
 def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, whole, total,
                  w_goal, tiles, chosen_count, max_pieces, MIN_TILES: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_B: tl.constexpr):
     """Write the scored plan's rows and cut list; returns the pieces and the cut requests.
 
     Each request in equal whole-tile pieces, as many as the chosen candidate gives it:
@@ -340,7 +349,7 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
     piece are listed in `cut` in that order too (what the combine runs over)."""
     reqs = tl.arange(0, BLOCK_B)
     mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
-    j = tl.arange(0, BLOCK_S)
+    j = tl.arange(0, BLOCK_J)
     first = tl.full([], 0, tl.int32)
     cuts = tl.full([], 0, tl.int32)
     for rank in tl.static_range(2):
@@ -366,12 +375,16 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
             listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
             _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
             cuts += tl.sum(is_cut, 0)
-            lo = j[None, :] * (step * BLOCK_N)[:, None]
-            hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
-            at = work_ptr + WORK_FIELDS * (start[:, None] + j[None, :])
-            _store_row(at, b[:, None], lo, hi, n[:, None], seq_len[:, None],
-                       q_begin[:, None], q_len[:, None], start[:, None] + j[None, :],
-                       j[None, :] < n[:, None])
+            # Only as many columns of pieces as this block's requests have (most are
+            # whole or in a few pieces): the stores, masked or not, are most of the
+            # plan kernel's instructions.
+            for j0 in range(0, tl.max(n, 0), BLOCK_J):
+                k = j0 + j[None, :]
+                lo = k * (step * BLOCK_N)[:, None]
+                hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
+                _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None], lo, hi,
+                           n[:, None], seq_len[:, None], q_begin[:, None], q_len[:, None],
+                           start[:, None] + k, k < n[:, None])
     return first, cuts
 
 
@@ -590,7 +603,7 @@ def plan_splits(
         PAST_OVERHEAD=past_overhead,
         PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=lone_wave,
         PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
-        BLOCK_K=WHOLE_WAVES, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J,
-        BLOCK_R=next_pow2(rows), num_warps=8,
+        BLOCK_K=WHOLE_WAVES, BLOCK_B=min(_BLOCK_B, max(_MIN_BLOCK_B, next_pow2(num_reqs))),
+        BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J, BLOCK_R=next_pow2(rows), num_warps=_PLAN_WARPS,
     )
     return SplitPlan(work, cut, starts, programs, max_pieces)
