@@ -126,8 +126,8 @@ WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 
 # (at least 16), since every step's tensors are this wide whatever the batch.
 _BLOCK_B = 64
 _MIN_BLOCK_B = 16
-# The plan kernel's warps. Measured (session 44, plan alone): 4 plan B = 1 as fast as 8
-# but fp8 batches past one wave 1.1-1.25x slower.
+# The plan kernel's warps. Measured (session 44, the plan alone): with 4, B = 1 plans no
+# faster than with 8, and fp8 batches past one wave 1.1-1.25x slower.
 _PLAN_WARPS = 8
 _BLOCK_P = 128  # programs per step of its last loop
 _BLOCK_J = 32  # pieces of a request per step of the loops that write the rows
@@ -349,7 +349,6 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
     piece are listed in `cut` in that order too (what the combine runs over)."""
     reqs = tl.arange(0, BLOCK_B)
     mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
-    j = tl.arange(0, BLOCK_J)
     first = tl.full([], 0, tl.int32)
     cuts = tl.full([], 0, tl.int32)
     for rank in tl.static_range(2):
@@ -371,21 +370,34 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
             n = tl.where(in_batch & mine, n, 0)
             start = first + tl.cumsum(n, 0) - n
             first += tl.sum(n, 0)
-            is_cut = (n > 1).to(tl.int32)
-            listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
-            _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
-            cuts += tl.sum(is_cut, 0)
-            # Only as many columns of pieces as this block's requests have (most are
-            # whole or in a few pieces): the stores, masked or not, are most of the
-            # plan kernel's instructions.
-            for j0 in range(0, tl.max(n, 0), BLOCK_J):
-                k = j0 + j[None, :]
-                lo = k * (step * BLOCK_N)[:, None]
-                hi = tl.minimum(lo + (step * BLOCK_N)[:, None], seq_len[:, None])
-                _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None], lo, hi,
-                           n[:, None], seq_len[:, None], q_begin[:, None], q_len[:, None],
-                           start[:, None] + k, k < n[:, None])
+            cuts = _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin,
+                                 q_len, tl.zeros_like(step), step, BLOCK_N, BLOCK_J)
     return first, cuts
+
+
+@triton.jit
+def _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin, q_len, origin,
+                  size, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Write the rows of a block of requests b (each a [BLOCK_B] tensor): request b's n
+    pieces at rows start.., piece k over tiles [origin + k size, origin + (k + 1) size)
+    clipped to the request; the requests of more than one piece listed in `cut` from
+    entry `cuts` on. Returns the cut list's new length."""
+    is_cut = (n > 1).to(tl.int32)
+    listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
+    _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
+    # Only as many columns of pieces as this block's requests have (most are whole or in
+    # a few pieces): the stores, masked or not, are most of the plan kernel's
+    # instructions.
+    j = tl.arange(0, BLOCK_J)
+    for j0 in range(0, tl.max(n, 0), BLOCK_J):
+        k = j0 + j[None, :]
+        lo = tl.maximum(origin[:, None] + k * size[:, None], 0) * BLOCK_N
+        hi = tl.minimum((origin[:, None] + (k + 1) * size[:, None]) * BLOCK_N,
+                        seq_len[:, None])
+        _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None], lo, hi,
+                   n[:, None], seq_len[:, None], q_begin[:, None], q_len[:, None],
+                   start[:, None] + k, k < n[:, None])
+    return cuts + tl.sum(is_cut, 0)
 
 
 @triton.jit
@@ -474,7 +486,6 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, sha
     request weighing one, are cut into runs of `share`: run p's pieces (one per request
     it meets) are those of tiles [p share, (p + 1) share), in request order."""
     reqs = tl.arange(0, BLOCK_B)
-    j = tl.arange(0, BLOCK_J)
     done = tl.full([], 0, tl.int32)
     first = tl.full([], 0, tl.int32)
     cuts = tl.full([], 0, tl.int32)
@@ -486,21 +497,12 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, sha
         q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
         q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
         start = first + tl.cumsum(n, 0) - n
-        is_cut = (n > 1).to(tl.int32)
-        listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
-        _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
-        for j0 in range(0, tl.max(n, 0), BLOCK_J):
-            k = j0 + j[None, :]
-            run = (p_first[:, None] + k) * share  # the piece's program's first tile
-            lo = tl.maximum(run - begin[:, None], 0)
-            hi = tl.minimum(run + share, (begin + w)[:, None]) - begin[:, None]
-            _store_row(work_ptr + WORK_FIELDS * (start[:, None] + k), b[:, None],
-                       lo * BLOCK_N, tl.minimum(hi * BLOCK_N, seq_len[:, None]), n[:, None],
-                       seq_len[:, None], q_begin[:, None], q_len[:, None],
-                       start[:, None] + k, k < n[:, None])
+        # Piece k runs in program p_first + k, over its `share` tiles of the stream.
+        cuts = _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin, q_len,
+                             p_first * share - begin, tl.zeros_like(n) + share, BLOCK_N,
+                             BLOCK_J)
         done += tl.sum(w, 0)
         first += tl.sum(n, 0)
-        cuts += tl.sum(is_cut, 0)
     return first, cuts
 
 
