@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedmla import merge_attn_states
-from pagedmla.ops import get_backend
+from pagedmla.ops.registry import get_backend
 
 INF = math.inf
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder, ops
+from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder
+from pagedmla.ops import REFERENCE, registry
 from pagedmla.testing import PagedBatch, make_paged_batch
 
 DIMS = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -324,14 +325,14 @@ def test_unknown_backend() -> None:
 def test_backend_registration_replaces_a_resolved_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backends are resolved once per (name, device type); registering a name again
     must not leave callers with the old one."""
-    monkeypatch.setattr(ops, "_LOADERS", dict(ops._LOADERS))
-    first = replace(ops.REFERENCE, name="first")
-    second = replace(ops.REFERENCE, name="second")
-    ops.register_backend("swapped", lambda: first)
-    assert ops.get_backend("swapped", "cpu") is first
-    ops.register_backend("swapped", lambda: second)
-    assert ops.get_backend("swapped", torch.device("cpu")) is second
-    ops._resolve.cache_clear()  # forget "swapped" before the registry is restored
+    monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))
+    first = replace(REFERENCE, name="first")
+    second = replace(REFERENCE, name="second")
+    registry.register_backend("swapped", lambda: first)
+    assert registry.get_backend("swapped", "cpu") is first
+    registry.register_backend("swapped", lambda: second)
+    assert registry.get_backend("swapped", torch.device("cpu")) is second
+    registry._resolve.cache_clear()  # forget "swapped" before the registry is restored
 
 
 @pytest.mark.parametrize(

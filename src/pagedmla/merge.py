@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.ops import get_backend
+from pagedmla.ops.registry import get_backend
 
 
 def _check(name: str, tensor: object, shape: tuple[int, ...], device: torch.device) -> None:

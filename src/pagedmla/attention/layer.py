@@ -10,7 +10,8 @@ from pagedmla.attention.prefill import mha_prefill
 from pagedmla.cache import MODEL_DTYPES, LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.metadata import MLAMetadata
-from pagedmla.ops import Backend, get_backend
+from pagedmla.ops import Backend
+from pagedmla.ops.registry import get_backend
 from pagedmla.validation import positive_finite
 
 

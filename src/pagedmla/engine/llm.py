@@ -24,7 +24,7 @@ from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_model
-from pagedmla.ops import get_backend
+from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
 
 

@@ -20,7 +20,7 @@ from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.moe import DenseMLP, MoE, empty_linear
 from pagedmla.models.rope import RotaryEmbedding
-from pagedmla.ops import get_backend
+from pagedmla.ops.registry import get_backend
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")

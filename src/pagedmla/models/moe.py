@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedmla.models.config import DeepseekConfig
-from pagedmla.ops import get_backend
+from pagedmla.ops.registry import get_backend
 
 
 def empty_linear(

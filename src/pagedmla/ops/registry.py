@@ -1,0 +1,66 @@
+"""Backends by name: `get_backend("auto" | "reference" | "triton", device)`.
+
+A backend registers a loader that imports it on first use, so that the reference
+backend needs no `triton` package. `auto` picks, on CUDA devices, the first backend of
+the preference order that imports, and the reference backend elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from pagedmla.ops import REFERENCE, Backend
+
+_LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}
+# Preference order for backend="auto" on CUDA devices.
+_CUDA_PREFERENCE: list[str] = []
+
+
+def register_backend(
+    name: str, loader: Callable[[], Backend], prefer_on_cuda: bool = False
+) -> None:
+    """Make a backend selectable by name; `loader` imports it on first use."""
+    _LOADERS[name] = loader
+    if prefer_on_cuda and name not in _CUDA_PREFERENCE:
+        _CUDA_PREFERENCE.append(name)
+    _resolve.cache_clear()
+
+
+def available_backends() -> list[str]:
+    return ["auto", *_LOADERS]
+
+
+def get_backend(name: str, device: torch.device | str) -> Backend:
+    """The backend called `name`, or for "auto" the best one for `device`."""
+    if name != "auto" and name not in _LOADERS:
+        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _resolve(name, device_type)
+
+
+@functools.cache  # every layer asks on every step: resolve each (name, device type) once
+def _resolve(name: str, device_type: str) -> Backend:
+    if name == "auto":
+        if device_type == "cuda":
+            for candidate in _CUDA_PREFERENCE:
+                try:
+                    return _LOADERS[candidate]()
+                except ImportError:
+                    continue
+        return REFERENCE
+    return _LOADERS[name]()
+
+
+def _load_triton() -> Backend:
+    """The Triton kernels; an ImportError (no `triton` package) means not available."""
+    try:
+        from pagedmla.ops.triton import TRITON_BACKEND
+    except ImportError as error:
+        raise ImportError(f"backend 'triton' needs the triton package: {error}") from error
+    return TRITON_BACKEND
+
+
+register_backend("triton", _load_triton, prefer_on_cuda=True)
