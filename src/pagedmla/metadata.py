@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_co
 from pagedmla.routing import PathCostModel
 
 if TYPE_CHECKING:
-    from pagedmla.distributed.dcp_attention import DCPContextGather, DCPDecode
+    from pagedmla.cache import LatentKVCache
+    from pagedmla.ops import Backend
 
 
 @dataclass
@@ -60,6 +61,30 @@ class Workspace:
         return self._buffers[key]
 
 
+class DecodeHook(Protocol):
+    """What decode context parallelism adds around the decode kernel (implemented by
+    `pagedmla.distributed.dcp_attention.DCPDecode`)."""
+
+    def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [Td, N, L + R] of this rank's heads -> [Td, D * N, L + R], the group's."""
+        ...
+
+    def combine(self, out: torch.Tensor, lse: torch.Tensor, ops: Backend) -> torch.Tensor:
+        """Partials over this rank's rows, out [Td, D * N, L], lse [D * N, Td] -> the
+        result for this rank's N heads, [Td, N, L]."""
+        ...
+
+
+class ContextGather(Protocol):
+    """How decode context parallelism collects a context chunk's rows from the ranks
+    that hold them (implemented by `pagedmla.distributed.dcp_attention.DCPContextGather`)."""
+
+    def gather(self, chunk: ContextChunk, cache: LatentKVCache, block_table: torch.Tensor,
+               ops: Backend, out: torch.Tensor) -> None:
+        """Fill out [chunk.num_context_tokens, L + R] with the chunk's rows."""
+        ...
+
+
 @dataclass
 class DecodeMetadata:
     """The first num_decodes requests: absorbed MQA over the paged cache.
@@ -79,7 +104,7 @@ class DecodeMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    dcp: DCPDecode | None = None
+    dcp: DecodeHook | None = None
     plans: dict | None = None
     query_lens: list[int] | None = None
 
@@ -121,7 +146,7 @@ class ChunkedContext:
     chunks: list[ContextChunk]
     empty_token_slices: list[slice]
     workspace: Workspace
-    dcp: DCPContextGather | None = None
+    dcp: ContextGather | None = None
 
 
 @dataclass
@@ -278,8 +303,8 @@ class MLAMetadataBuilder:
         self.decode_threshold = decode_threshold
         self.router = router
         self.workspace = Workspace(workspace_rows, self.device)
-        # The decode path's collectives under decode context parallelism (DCPDecode).
-        self.decode_hook: DCPDecode | None = None
+        # The decode path's collectives under decode context parallelism.
+        self.decode_hook: DecodeHook | None = None
 
     def uses_mqa(self, query_len: int, context_len: int) -> bool:
         """Whether a request with these lengths takes the absorbed MQA (decode) path."""

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedmla.cache import LatentKVCache
-from pagedmla.metadata import BatchSpec, DecodeMetadata, MLAMetadata
-
-if TYPE_CHECKING:
-    from pagedmla.distributed.dcp_attention import DCPDecode
+from pagedmla.metadata import BatchSpec, DecodeHook, DecodeMetadata, MLAMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -172,7 +168,7 @@ class GraphInputs:
 
 def graph_metadata(
     cache: LatentKVCache, inputs: GraphInputs, rows: int, max_model_len: int,
-    dcp: DCPDecode | None = None,
+    dcp: DecodeHook | None = None,
 ) -> MLAMetadata:
     """The metadata a captured decode reads: `rows` single-token decodes over the first
     rows of `inputs` (slots, seq_lens, block table), with max_seq_len = max_model_len,
@@ -220,7 +216,7 @@ class DecodeGraphs:
         sizes: list[int],
         max_blocks_per_seq: int,
         max_model_len: int,
-        dcp: DCPDecode | None = None,
+        dcp: DecodeHook | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
