@@ -12,6 +12,7 @@ from pagedmla.planner import plan_context_chunks
 __all__ = [
     "LLM",
     "BatchSpec",
+    "EngineArgs",
     "LatentKVCache",
     "MLAAttention",
     "MLADims",
@@ -27,7 +28,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The engine pulls in the model and loader; users of the attention layer alone
     # should not pay for importing them.
-    if name in ("LLM", "SamplingParams"):
+    if name in ("LLM", "EngineArgs", "SamplingParams"):
         from pagedmla import engine
 
         return getattr(engine, name)

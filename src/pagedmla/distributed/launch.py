@@ -3,10 +3,12 @@
 Two ways to run: under `torchrun` (or any launcher that sets RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT), every rank constructs the LLM and rank 0 drives; or from
 a plain process, where `LLM(tensor_parallel_size=tp)` spawns ranks 1..tp-1 itself on
-this machine. A spawned worker is a daemon process that sets the torchrun variables,
-constructs the same LLM and serves the driver's steps until told to stop. It exits on
-its own when the driver process dies (a thread watches the parent), and sends its
-traceback to the driver when it fails, so that the driver's error says why.
+this machine. A spawned worker is a daemon process that sets the torchrun variables
+and calls the entry point the engine gave (`worker`: construct the same LLM and serve
+the driver's steps until told to stop); this module knows nothing of the engine. A
+worker exits on its own when the driver process dies (a thread watches the parent),
+and sends its traceback to the driver when it fails, so that the driver's error says
+why.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +31,7 @@ import torch.distributed as dist
 # (through torch._dynamo, e.g. the first time a meta tensor is initialised); imported
 # after init_process_group, those defaults would keep the world group alive after
 # destroy_process_group, and its gloo worker threads would race the interpreter's exit
-# (SIGABRT: "terminate called without an active exception", seen under torchrun).
+# (SIGABRT under torchrun: "terminate called without an active exception").
 import torch.distributed.nn
 
 # How long a collective may wait for a peer (a slow CPU step must not time out).
@@ -68,9 +71,16 @@ def _free_port() -> int:
 
 
 class Workers:
-    """Processes of ranks 1..world-1 spawned by the driver, and their error pipes."""
+    """Processes of ranks 1..world-1 spawned by the driver, and their error pipes.
 
-    def __init__(self, options: dict[str, Any], world_size: int, device: torch.device) -> None:
+    worker: what each process runs once the torchrun variables name its rank; it must
+    be picklable (a module-level function, or a functools.partial of one), since the
+    processes are spawned.
+    """
+
+    def __init__(
+        self, worker: Callable[[], None], world_size: int, device: torch.device
+    ) -> None:
         if dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is already initialised in this process (another "
@@ -83,7 +93,7 @@ class Workers:
         for rank in range(1, world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_worker_main, args=(rank, world_size, port, options, writer),
+                target=_worker_main, args=(rank, world_size, port, device.type, worker, writer),
                 daemon=True, name=f"pagedmla-rank{rank}",
             )
             proc.start()
@@ -171,25 +181,20 @@ def _exit_with_parent() -> None:
 
 
 def _worker_main(
-    rank: int, world_size: int, port: int, options: dict[str, Any], errors: Any
+    rank: int, world_size: int, port: int, device_type: str, worker: Callable[[], None],
+    errors: Any,
 ) -> None:
-    """A spawned rank: the same LLM as the driver's, serving the driver's steps."""
+    """A spawned rank: sets the torchrun variables, then runs `worker`."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     threading.Thread(target=_exit_with_parent, daemon=True, name="pagedmla-parent").start()
-    device = options["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cpu":
+    if device_type == "cpu":
         # CPU ranks share this machine's cores: do not oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        from pagedmla.engine.llm import LLM
-
-        llm = LLM(**options)
-        assert llm.parallel is not None
-        llm.parallel.serve(llm.runner)
-        llm.close()
+        worker()
     except BaseException:
         errors.send(traceback.format_exc())
         errors.close()

@@ -1,9 +1,11 @@
 """ParallelRuntime: what a tensor / decode context parallel LLM adds to the engine.
 
 The LLM builds the same engine on every rank and asks the runtime for the parallel
-pieces: the sharded model, the per-rank metadata builder, a runner that (on the
-driver) broadcasts each step before running it, and the agreed cache size. Rank 0
-schedules and samples; the other ranks only run the model on the steps they receive.
+parts: the sharded model, the per-rank metadata builder, the step channel that the
+driver's runner sends each step over, and the agreed cache size. Rank 0 schedules and
+samples; the other ranks only run the model on the steps they receive. The runtime
+knows nothing of the engine: the engine hands it callables (the spawned workers' entry
+point, the step to run, the generate call).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pagedmla.cache import LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.distributed.channel import Kind, StepChannel, StepInputs
 from pagedmla.distributed.dcp_layout import DCPLayout
@@ -35,34 +36,15 @@ from pagedmla.distributed.tensor_parallel import (
     check_heads_divisible,
     parallelize,
 )
-from pagedmla.engine.block_manager import BlockManager
-from pagedmla.engine.model_runner import ModelRunner
-from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.deepseek import DeepseekForCausalLM
 from pagedmla.models.loader import load_config
 
 _DEATH_WAIT_S = 2.0
 
-
-class DriverRunner(ModelRunner):
-    """Rank 0's runner: broadcasts each step's inputs, then runs its own share."""
-
-    def __init__(self, runtime: ParallelRuntime, *args: Any) -> None:
-        super().__init__(*args)
-        self.runtime = runtime
-
-    def run(self, batch: ScheduledBatch, drawn: torch.Tensor | None = None) -> torch.Tensor:
-        token_ids, positions, spec = self.prepare(batch)
-        device_token_ids = self.device_token_ids(batch, token_ids, drawn)
-        step = StepInputs(token_ids, positions, spec, self.sample_rows(batch),
-                          device_tokens=device_token_ids is not None)
-        with self.runtime.watching_workers():
-            self.runtime.channel.send(Kind.STEP, step)
-            if device_token_ids is not None:
-                device_token_ids = self.runtime.state.broadcast(device_token_ids.contiguous())
-            return self.execute(step.token_ids, step.positions, step.spec, step.sample_rows,
-                                device_token_ids)
+# Runs one step on this rank, the engine's `ModelRunner.execute`: (token_ids [T],
+# positions [T], BatchSpec, sample_rows, device_token_ids [T] or None) -> logits.
+StepRunner = Callable[..., torch.Tensor]
 
 
 class ParallelRuntime:
@@ -88,16 +70,27 @@ class ParallelRuntime:
         )
 
     @classmethod
-    def start(cls, options: dict[str, Any], device: torch.device) -> ParallelRuntime:
+    def start(
+        cls,
+        device: torch.device,
+        worker: Callable[[], None],
+        *,
+        model: str,
+        block_size: int,
+        tensor_parallel_size: int,
+        decode_context_parallel_size: int,
+        interleave: int,
+    ) -> ParallelRuntime:
         """Validate the sizes against the model, then connect every rank.
 
-        options: the LLM's constructor arguments (spawned workers construct the same).
+        worker: the entry point of the ranks spawned here (see `Workers`): the engine's
+        construction of the same LLM, serving the driver's steps. interleave: tokens
+        per rank in a run of the decode context parallel layout.
         """
-        tp = options["tensor_parallel_size"]
-        dcp = options["decode_context_parallel_size"]
-        check_heads_divisible(load_config(options["model"]), tp)
+        tp, dcp = tensor_parallel_size, decode_context_parallel_size
+        check_heads_divisible(load_config(model), tp)
         if dcp > 1:
-            DCPLayout(dcp, 0, options["cp_kv_cache_interleave_size"], options["block_size"])
+            DCPLayout(dcp, 0, interleave, block_size)
         workers = None
         owns_group = not dist.is_initialized()
         if launched_externally():
@@ -105,14 +98,14 @@ class ParallelRuntime:
             init_from_environment(device)
         else:
             device = rank_device(device, 0)
-            workers = Workers(options, tp, device)
+            workers = Workers(worker, tp, device)
         try:
             state = ParallelState.connect(tp, dcp, device)
         except BaseException:
             if workers is not None:
                 workers.stop()
             raise
-        return cls(state, workers, options["cp_kv_cache_interleave_size"], owns_group)
+        return cls(state, workers, interleave, owns_group)
 
     @property
     def device(self) -> torch.device:
@@ -139,16 +132,16 @@ class ParallelRuntime:
         """Cache blocks every rank can hold (the block table is shared)."""
         return self.state.min_over_ranks(num_blocks)
 
-    def runner(
-        self,
-        model: torch.nn.Module,
-        caches: list[LatentKVCache],
-        block_manager: BlockManager,
-        builder: MLAMetadataBuilder,
-    ) -> ModelRunner:
-        if self.is_driver:
-            return DriverRunner(self, model, caches, block_manager, builder)
-        return ModelRunner(model, caches, block_manager, builder)
+    def send_step(
+        self, step: StepInputs, device_token_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The driver's side of a step: its inputs to the other ranks, then, for an
+        ahead step, its token ids [T] on the device (rank 0's, broadcast in stream
+        order); returns what this rank feeds (the broadcast tensor, or None)."""
+        self.channel.send(Kind.STEP, step)
+        if device_token_ids is None:
+            return None
+        return self.state.broadcast(device_token_ids.contiguous())
 
     def ready(self) -> None:
         """Wait until every rank has built its engine; then steps can flow."""
@@ -160,9 +153,10 @@ class ParallelRuntime:
     def watching_workers(self) -> _WorkerWatch:
         return _WorkerWatch(self)
 
-    def serve(self, runner: ModelRunner) -> tuple[Kind, Any]:
-        """Run the driver's steps until it ends a generate() (torchrun ranks only; returns
-        END and the driver's outputs) or shuts down (returns SHUTDOWN, None)."""
+    def serve(self, execute: StepRunner) -> tuple[Kind, Any]:
+        """Run the driver's steps (`execute`: the engine's runner) until it ends a
+        generate() (torchrun ranks only; returns END and the driver's outputs) or shuts
+        down (returns SHUTDOWN, None)."""
         while True:
             kind, step = self.channel.receive()
             if kind == Kind.STEP:
@@ -171,18 +165,19 @@ class ParallelRuntime:
                 if step.device_tokens:  # an ahead step: rank 0 broadcasts its samples
                     device_token_ids = self.state.broadcast(torch.empty_like(
                         step.token_ids, device=self.device))
-                runner.execute(step.token_ids, step.positions, step.spec, step.sample_rows,
-                               device_token_ids)
+                execute(step.token_ids, step.positions, step.spec, step.sample_rows,
+                        device_token_ids)
             elif kind == Kind.END:
                 return kind, self.channel.receive_object()
             else:
                 return kind, None
 
-    def generate(self, generate: Callable[..., Any], runner: ModelRunner, *args: Any) -> Any:
+    def generate(self, generate: Callable[..., Any], execute: StepRunner, *args: Any) -> Any:
         """generate(*args) on the driver. Under torchrun every rank calls this with the
-        same arguments: the others serve the driver's steps and return its outputs."""
+        same arguments: the others serve the driver's steps (`execute`) and return its
+        outputs."""
         if not self.is_driver:
-            kind, outputs = self.serve(runner)
+            kind, outputs = self.serve(execute)
             if outputs is None:
                 reason = "failed" if kind == Kind.END else "was shut down"
                 raise RuntimeError(f"generate() {reason} on the driver (rank 0)")

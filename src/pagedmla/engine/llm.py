@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -12,10 +14,11 @@ from tqdm.auto import tqdm
 from pagedmla.cache import LatentKVCache, resolve_cache_dtype
 from pagedmla.device import resolve_device
 from pagedmla.distributed.state import check_parallel_sizes
+from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.decode_rows import decode_row_sizes
-from pagedmla.engine.model_runner import ModelRunner
+from pagedmla.engine.model_runner import DriverRunner, ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
 from pagedmla.engine.sampler import DrawnTokens, draw
@@ -46,6 +49,9 @@ _CPU_CACHE_TOKENS = 64 * 1024
 class LLM:
     """Serve an MLA model: the built-in "tiny" one or a Hugging Face checkpoint directory.
 
+    Its arguments are `EngineArgs`' fields (documented there), given as keywords or as
+    one EngineArgs.
+
     The KV cache holds `num_kv_blocks` blocks of `block_size` tokens per layer; when
     None it is sized from `gpu_memory_utilization` of the GPU's memory after the model
     and the chunked-prefill workspace are accounted for (on the CPU: 64Ki tokens).
@@ -66,7 +72,7 @@ class LLM:
     which replays graphs of its own (`DecodeRowGraphs`), and steps whose other rows are
     prompts without context, which replay one graph each (`PiecewiseGraphs.capture_steps`;
     neither under decode context parallelism); enforce_eager turns all of them off.
-    route_by_cost sends short prefill pieces to the absorbed MQA path when the cost
+    route_by_cost sends short prefill chunks to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     async_scheduling plans and enqueues each step while the device still runs the one
     before (`Scheduler.schedule_ahead`): decodes, prefill chunks and newly admitted
@@ -76,109 +82,89 @@ class LLM:
     step. A step that would preempt is scheduled after the one before it completes.
     """
 
-    def __init__(
-        self,
-        model: str = "tiny",
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        block_size: int = 64,
-        kv_cache_dtype: str | torch.dtype = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        workspace_rows: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        tensor_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        seed: int = 0,
-        backend: str = "auto",
-        max_model_len: int | None = None,
-        cp_kv_cache_interleave_size: int = 1,
-        enforce_eager: bool = False,
-        route_by_cost: bool = True,
-        async_scheduling: bool = True,
-    ) -> None:
-        # The arguments as given: spawned tensor parallel ranks construct the same LLM.
-        options = {name: value for name, value in locals().items() if name != "self"}
-        check_parallel_sizes(tensor_parallel_size, decode_context_parallel_size)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
+    def __init__(self, model: str | EngineArgs = "tiny", **kwargs: Any) -> None:
+        """LLM(EngineArgs(...)), or LLM(model, **kwargs) with EngineArgs' fields as
+        keywords; an unknown keyword is a TypeError naming it."""
+        args = _engine_args(model, kwargs)
+        self.args = args
+        check_parallel_sizes(args.tensor_parallel_size, args.decode_context_parallel_size)
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
-        device = resolve_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = args.dtype
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.parallel = None
-        if tensor_parallel_size > 1:
+        if args.tensor_parallel_size > 1:
             from pagedmla.distributed.runtime import ParallelRuntime
 
-            self.parallel = ParallelRuntime.start(options, device)
+            self.parallel = ParallelRuntime.start(
+                device, functools.partial(_serve_driver, args), model=args.model,
+                block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
+                decode_context_parallel_size=args.decode_context_parallel_size,
+                interleave=args.cp_kv_cache_interleave_size,
+            )
             device = self.parallel.device
-        torch.manual_seed(seed)
+        torch.manual_seed(args.seed)
         self.device = device
         self.dtype = dtype
-        self.model, self.config, self.tokenizer = load_model(model, dtype, device, backend)
+        self.model, self.config, self.tokenizer = load_model(args.model, dtype, device,
+                                                             args.backend)
         if self.parallel is not None:
             self.model = self.parallel.parallelize(self.model)
         dims = self.model.dims
         positions = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len > positions:
+        if args.max_model_len is not None and args.max_model_len > positions:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{positions}"
+                f"max_model_len {args.max_model_len} exceeds the model's "
+                f"max_position_embeddings {positions}"
             )
-        self.max_model_len = max_model_len or positions
-        sizes = dict(workspace_rows=workspace_rows, max_model_len=self.max_model_len,
-                     max_num_seqs=max_num_seqs,
-                     router=PathCostModel() if route_by_cost else None)
+        self.max_model_len = args.max_model_len or positions
+        block_size = args.block_size
+        sizes = dict(workspace_rows=args.workspace_rows, max_model_len=self.max_model_len,
+                     max_num_seqs=args.max_num_seqs,
+                     router=PathCostModel() if args.route_by_cost else None)
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
             if self.parallel is None
             else self.parallel.metadata_builder(dims, block_size, **sizes)
         )
-        cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
+        cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype)
+        num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = self._auto_num_blocks(block_size, cache_dtype, gpu_memory_utilization)
+            num_kv_blocks = self._auto_num_blocks(block_size, cache_dtype,
+                                                  args.gpu_memory_utilization)
         if self.parallel is not None:
             num_kv_blocks = self.parallel.agree_num_blocks(num_kv_blocks)
         self.caches = [
             LatentKVCache(num_kv_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
-                          kv_cache_dtype=kv_cache_dtype, dtype=dtype, device=device)
+                          kv_cache_dtype=args.kv_cache_dtype, dtype=dtype, device=device)
             for _ in range(self.config.num_hidden_layers)
         ]
         # Under decode context parallelism a block id stands for block_size rows on each
         # rank of the group: the scheduler sees the group's combined capacity.
         self.block_manager = BlockManager(
-            num_kv_blocks, block_size * decode_context_parallel_size, enable_prefix_caching
+            num_kv_blocks, block_size * args.decode_context_parallel_size,
+            args.enable_prefix_caching,
         )
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs, max_num_batched_tokens,
+            self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             uses_mqa=self.builder.uses_mqa,
         )
         parts = (self.model, self.caches, self.block_manager, self.builder)
-        self.runner = ModelRunner(*parts) if self.parallel is None else self.parallel.runner(*parts)
-        if self._use_graphs(enforce_eager, backend):
-            max_blocks = -(-self.max_model_len // block_size)
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.caches, capture_sizes(max_num_seqs),
-                max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
-                dcp=self.builder.decode_hook,
-            )
-            pieces = PiecewiseGraphs(self.model, self.caches, token_buckets(max_num_batched_tokens))
-            if self.builder.decode_hook is None:
-                pieces.capture_decode_rows(decode_row_sizes(min(max_num_seqs, pieces.max_tokens)),
-                                           max_blocks, self.max_model_len)
-                pieces.capture_steps()
-            self.runner.pieces = pieces
-            if self.parallel is not None:
-                # Not methods of self: the runtime's finalizer must not keep the LLM alive.
-                self.parallel.before_close(self.runner.graphs.release)
-                self.parallel.before_close(self.runner.pieces.release)
-        self.async_scheduling = async_scheduling
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.runner = (
+            DriverRunner(self.parallel, *parts)
+            if self.parallel is not None and self.parallel.is_driver
+            else ModelRunner(*parts)
+        )
+        if self._use_graphs(args.enforce_eager, args.backend):
+            self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens, block_size)
+        self.async_scheduling = args.async_scheduling
+        self.generator = torch.Generator(device=device).manual_seed(args.seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)
         self._next_id = 0
         self.stats = EngineStats()
@@ -198,6 +184,30 @@ class LLM:
             and self.device.type == "cuda"
             and get_backend(backend, self.device).graph_safe
         )
+
+    def _capture_graphs(self, max_num_seqs: int, max_num_batched_tokens: int,
+                        block_size: int) -> None:
+        """Capture the runner's CUDA graphs: whole decode steps by batch size, and the
+        pieces of other steps by token bucket, with the graphs of their decode rows'
+        and prompts' attention where decode context parallelism is off."""
+        max_blocks = -(-self.max_model_len // block_size)
+        self.runner.graphs = DecodeGraphs(
+            self.model, self.caches, capture_sizes(max_num_seqs),
+            max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
+            dcp=self.builder.decode_hook,
+        )
+        pieces = PiecewiseGraphs(self.model, self.caches,
+                                 token_buckets(max_num_batched_tokens))
+        if self.builder.decode_hook is None:
+            pieces.capture_decode_rows(
+                decode_row_sizes(min(max_num_seqs, pieces.max_tokens)), max_blocks,
+                self.max_model_len)
+            pieces.capture_steps()
+        self.runner.pieces = pieces
+        if self.parallel is not None:
+            # Not methods of self: the runtime's finalizer must not keep the LLM alive.
+            self.parallel.before_close(self.runner.graphs.release)
+            self.parallel.before_close(self.runner.pieces.release)
 
     def close(self) -> None:
         """Stop the tensor parallel workers and leave the process group (no-op otherwise)."""
@@ -257,7 +267,7 @@ class LLM:
         """Complete every prompt; outputs come back in prompt order."""
         if self.parallel is not None:
             return self.parallel.generate(
-                self._generate, self.runner, prompts, sampling_params, use_tqdm
+                self._generate, self.runner.execute, prompts, sampling_params, use_tqdm
             )
         return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -382,3 +392,26 @@ class LLM:
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             outputs=[CompletionOutput(out_ids, decoded, seq.output_logprobs, seq.finish_reason)],
         )
+
+
+def _engine_args(model: str | EngineArgs, keywords: dict[str, Any]) -> EngineArgs:
+    """What LLM(model, **keywords) was given, as EngineArgs."""
+    if isinstance(model, EngineArgs):
+        if keywords:
+            raise TypeError(f"LLM() takes EngineArgs or keywords, not both; got EngineArgs "
+                            f"and {', '.join(sorted(keywords))}")
+        return model
+    unknown = sorted(set(keywords) - {f.name for f in fields(EngineArgs)})
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)} "
+                        f"(the engine's arguments are the fields of pagedmla.EngineArgs)")
+    return EngineArgs(model=model, **keywords)
+
+
+def _serve_driver(args: EngineArgs) -> None:
+    """A tensor parallel rank spawned by the driver: the driver's engine, serving the
+    driver's steps until it shuts down (`Workers`' entry point)."""
+    llm = LLM(args)
+    assert llm.parallel is not None
+    llm.parallel.serve(llm.runner.execute)
+    llm.close()

@@ -1,18 +1,28 @@
-"""Runs one scheduled step through the model: inputs, metadata, forward, logits."""
+"""Runs one scheduled step through the model: inputs, metadata, forward, logits.
+
+`ModelRunner` runs a step on this rank; under tensor parallelism the driver's
+`DriverRunner` first sends the step to the other ranks, which run it with their
+`ModelRunner.execute` (`ParallelRuntime.serve`).
+"""
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pagedmla.cache import LatentKVCache
+from pagedmla.distributed.channel import StepInputs
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs
 from pagedmla.engine.piecewise import PiecewiseGraphs
 from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
+
+if TYPE_CHECKING:
+    from pagedmla.distributed.runtime import ParallelRuntime
 
 
 class ModelRunner:
@@ -164,3 +174,22 @@ class ModelRunner:
         )
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index)).float()
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: sends each step's inputs to the other ranks, then runs its own
+    share."""
+
+    def __init__(self, runtime: ParallelRuntime, *args: Any) -> None:
+        super().__init__(*args)
+        self.runtime = runtime
+
+    def run(self, batch: ScheduledBatch, drawn: torch.Tensor | None = None) -> torch.Tensor:
+        token_ids, positions, spec = self.prepare(batch)
+        device_token_ids = self.device_token_ids(batch, token_ids, drawn)
+        step = StepInputs(token_ids, positions, spec, self.sample_rows(batch),
+                          device_tokens=device_token_ids is not None)
+        with self.runtime.watching_workers():
+            device_token_ids = self.runtime.send_step(step, device_token_ids)
+            return self.execute(step.token_ids, step.positions, step.spec, step.sample_rows,
+                                device_token_ids)
