@@ -1,66 +1,18 @@
-"""The `pagedmla` command line: generate, bench, check."""
+"""The `pagedmla` command line (also `python -m pagedmla`): generate, bench, check.
+
+The engine flags of `generate` and `bench` are `EngineArgs`' fields
+(`EngineArgs.add_cli_args`), with its defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or a checkpoint dir")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3")
-    parser.add_argument("--block-size", type=int, default=64,
-                        help="tokens per cache page (on Hopper, multiples of 8 get the Gluon "
-                        "decode kernels' bulk tile copies)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="never replay CUDA graphs for decode steps")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="wait for each step's tokens before planning the next")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks to shard the model over (processes started here, or torchrun)")
-    parser.add_argument("--decode-context-parallel-size", type=int, default=1,
-                        help="ranks (dividing the TP size) that share each sequence's KV cache")
-    parser.add_argument("--cp-kv-cache-interleave-size", type=int, default=1,
-                        help="consecutive tokens per rank in the decode context parallel layout")
-
-
-def _make_llm(args: argparse.Namespace):
-    from pagedmla import LLM
-
-    return LLM(
-        model=args.model,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        backend=args.backend,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=not args.no_async_scheduling,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        decode_context_parallel_size=args.decode_context_parallel_size,
-        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
-    )
+from pagedmla.engine import LLM, EngineArgs, SamplingParams
+from pagedmla.engine.args import DTYPES
 
 
 def _throughput(tokens: int, seconds: float) -> str:
@@ -68,14 +20,12 @@ def _throughput(tokens: int, seconds: float) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagedmla import SamplingParams
-
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line]
     if not prompts:
         prompts = ["The paged latent cache", "Multi-head latent attention is"]
-    llm = _make_llm(args)
+    llm = LLM(EngineArgs.from_cli_args(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.seed if args.temperature > 0 else None,
@@ -91,15 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.kernels:
-        from pagedmla.kernel_bench import main as kernel_bench
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        return kernel_bench(["--out", f"{args.out}/bench_kernels.json", "--plots", args.out])
-    from pagedmla import SamplingParams
-
     rng = random.Random(args.seed)
-    llm = _make_llm(args)
+    llm = LLM(EngineArgs.from_cli_args(args))
     vocab = llm.config.vocab_size
     prompts, params = [], []
     for _ in range(args.num_requests):
@@ -137,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="complete prompts with an MLA model")
-    _engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", default=None, help="one prompt per line")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -146,13 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.set_defaults(func=_generate)
 
-    bench = commands.add_parser("bench", help="synthetic serving benchmark")
-    _engine_args(bench)
+    bench = commands.add_parser(
+        "bench", help="synthetic serving benchmark (kernel benchmarks: python -m "
+        "benchmarks.bench_kernels in the repository)")
+    EngineArgs.add_cli_args(bench)
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=32)
-    bench.add_argument("--kernels", action="store_true", help="run the GPU kernel benchmarks")
-    bench.add_argument("--out", default="results", help="directory for --kernels results")
     bench.set_defaults(func=_bench)
 
     check = commands.add_parser(
@@ -168,7 +111,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
