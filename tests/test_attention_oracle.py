@@ -8,7 +8,7 @@ seed. Tolerances (relative L2 error against the float64 oracle):
 * float32 (auto or fp8 cache): 2e-4. Everything is computed in float32 from the same
   values the oracle sees (fp8: the oracle reads the same quantized latents), so the
   only difference is float32 rounding in sums of at most a few thousand terms
-  (~1e-6 in practice); 2e-4 is the bar the issue sets.
+  (~1e-6 in practice); 2e-4 leaves a wide margin above that.
 * bfloat16: 2e-2. Projections and attention run on bf16 inputs (8-bit mantissa,
   unit roundoff 4e-3); a few roundings of that size add up to under 1e-2.
 """
@@ -244,9 +244,8 @@ def test_bfloat16_mixed_batch() -> None:
 
 def test_bfloat16_context_in_many_chunks_keeps_its_precision() -> None:
     # A 3000-token context in chunks of 4 rows, 750 merges: the running partial is held
-    # in float32, so every query row is as close to the oracle as with one chunk. When it
-    # was merged in bf16, each merge rounded it: the worst row here was 4.6% off (the
-    # chunk-count error was found by tests/test_triton_random.py).
+    # in float32, so every query row is as close to the oracle as with one chunk. Merged
+    # in bf16, each merge would round it, and the worst row here would be ~5% off.
     dims = MLADims(num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
                    v_head_dim=32)
     batch = make_paged_batch(dims, [5], [3005], 4, dtype=torch.bfloat16, seed=1610)

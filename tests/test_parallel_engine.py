@@ -137,8 +137,8 @@ def test_dead_worker_is_a_clear_error_and_leaves_no_process() -> None:
 
 class _ExitingWorker:
     """A worker caught mid-exit: its sentinel has closed, but until joined it still reads
-    as running (waitpid reports it a moment later; once in four checks on 2 cores right
-    after a SIGKILL, in a scratch measurement)."""
+    as running (waitpid reports it a moment later, which on a loaded machine is often
+    the case right after a SIGKILL)."""
 
     def __init__(self) -> None:
         self.sentinel, write = mp.Pipe(duplex=False)
@@ -154,8 +154,8 @@ class _ExitingWorker:
 
 
 def test_check_joins_a_worker_whose_sentinel_closed() -> None:
-    # Read as running, it let the raw gloo error of the broken connection through instead
-    # of naming the dead worker (seen once in CI's run of the test above).
+    # Read as running, such a worker would let the raw gloo error of the broken connection
+    # through instead of naming the dead worker (the test above, on a loaded machine).
     workers = Workers.__new__(Workers)
     workers.procs, workers.pipes = [_ExitingWorker()], []
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid 4242\) was killed by signal 9"):
@@ -222,11 +222,11 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
     assert done.returncode == 0, done.stderr[-3000:]
     # Each rank prints its outputs once. Counted in the whole output, not line by line:
     # the ranks share the pipe and print writes a line's text and its newline apart, so
-    # two lines can come out as "[[..]][[..]]\n\n" (seen on a loaded machine).
+    # two lines can come out as "[[..]][[..]]\n\n".
     expected = str([o.outputs[0].token_ids for o in reference("auto", 8)[0]]).replace(" ", "")
     assert done.stdout.replace(" ", "").count(expected) == 2, done.stdout[-3000:]
     # close() leaves the group for good: its gloo worker threads (named pt_gloo_runloop
-    # by PyTorch) are gone. A group kept alive past destroy_process_group has made ranks
+    # by PyTorch) are gone. A group kept alive past destroy_process_group makes ranks
     # abort at interpreter exit (see distributed/launch.py).
     assert done.stdout.count("gloo workers after close: 0") == 2, done.stdout[-2000:]
 

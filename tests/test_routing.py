@@ -22,9 +22,9 @@ def test_short_extends_route_to_mqa_long_ones_to_mha() -> None:
             assert not model.prefers_mqa(dims, 1024, context)
             crossover = model.crossover(dims, context, limit=1024)
             # Equal-rate algebra puts it near L(P+V)/(2L+R-(P+R+V)) ~ 170; the MHA path's
-            # memory passes over the up-projected keys push it up. Measured on an H200
-            # (docs/PERFORMANCE.md): between 256 and 512 at 4k and 32k contexts; a short
-            # context has less up-projection to amortise.
+            # memory passes over the up-projected keys push it up. benchmarks/bench_routing
+            # puts it between 256 and 512 at 4k and 32k contexts (docs/PERFORMANCE.md); a
+            # short context has less up-projection to amortise.
             assert (128 if context < 4096 else 256) <= crossover < 512
             assert all(model.prefers_mqa(dims, q, context) for q in range(1, crossover + 1))
 

@@ -12,12 +12,12 @@ A request with q new tokens over S = C + q keys costs, per layer (N heads):
 The up-projection is paid per key whatever q is, while MQA pays (2L + R) per query and
 key, so MQA wins for q below roughly L (P + V) / (2L + R - P - R - V) tokens
 (~170 for DeepSeek shapes at equal efficiency) whatever the context: short chunked
-prefill pieces and multi-token decodes belong on the MQA path. Each term is divided by
-an effective rate of the path on an H200, fitted to a measurement there
-(benchmarks/bench_routing.py, docs/PERFORMANCE.md): the model predicts a crossover of
-260-272 tokens for N = 16 and 128 at 4k and 32k contexts. Measured (session 29, q =
-8..1024), MQA is faster at q = 256 and MHA at q = 512 in all four; the model agrees
-with 35 of the 36 path choices, sending N = 16, 32k, q = 384 to MHA, 3% slower there.
+prefill chunks and multi-token decodes belong on the MQA path. Each term is divided by
+an effective rate of the path's kernels (`PathCostModel`), fitted to one layer's time
+on each path as `python -m benchmarks.bench_routing` measures it. With the defaults the
+model predicts a crossover of 260-272 tokens for N = 16 and 128 at 4k and 32k contexts;
+that benchmark finds MQA faster at q = 256 and MHA at q = 512 in all four
+(docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from pagedmla.dims import MLADims
 class PathCostModel:
     """Rates the paths' kernels reach (TFLOP/s, TB/s) and the MQA kernel's row grouping.
 
-    Defaults: the triton backend on an H200, whole-layer rates fitted to the measured
-    path times (decode kernels alone: ~500 TFLOP/s compute-bound, ~4.2 TB/s
-    memory-bound; the fit, with launch and absorption overheads, 460 and 3.8; prefill
-    attention ~450 TFLOP/s; up-projection 500 TFLOP/s; HBM ~4 TB/s).
+    Defaults: the triton backend's rates on an H200, fitted to the whole-layer path
+    times of `python -m benchmarks.bench_routing`, launch and absorption overheads
+    included (the MQA path's 460 TFLOP/s and 3.8 TB/s, where its decode kernels alone
+    reach ~500 and ~4.2; prefill attention ~450 TFLOP/s; up-projection 500 TFLOP/s;
+    HBM ~4 TB/s).
     """
 
     mqa_tflops: float = 460.0

@@ -104,9 +104,9 @@ def _empty_partial(
     """A running partial over all prefill tokens; rows of context-free prefills are empty.
 
     Every other row is written by the first chunk that covers its request. It is held
-    in float32: merged in the chunks' 16-bit dtype, a context of C chunks lost about
-    sqrt(C) roundings (5% of a row at 1000 chunks); in float32 the error no longer
-    grows with the chunk count.
+    in float32: merged in the chunks' 16-bit dtype, a context of C chunks would lose
+    about sqrt(C) roundings (5% of a row at 1000 chunks); in float32 the error does not
+    grow with the chunk count.
     """
     out = torch.empty(num_tokens, *like.shape[1:], dtype=torch.float32, device=like.device)
     lse = torch.empty(like.shape[1], num_tokens, dtype=torch.float32, device=like.device)

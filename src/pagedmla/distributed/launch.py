@@ -137,8 +137,8 @@ class Workers:
         """RuntimeError naming the first worker that is no longer running, with its error."""
         for rank, proc in enumerate(self.procs, start=1):
             # A process's sentinel closes while it exits, a moment before waitpid reports
-            # it (on 2 cores, a quarter of the time right after a SIGKILL): join it then,
-            # rather than read it as running.
+            # it (on a loaded machine, often right after a SIGKILL): join it then, rather
+            # than read it as running.
             if mp.connection.wait([proc.sentinel], 0):
                 proc.join(_JOIN_TIMEOUT_S)
             if not proc.is_alive():

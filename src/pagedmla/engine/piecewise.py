@@ -16,9 +16,8 @@ The single-token decode rows' attention replays graphs of its own, per layer
 A step whose other rows are all prompts without cached context (`engine/prompt_rows.py`)
 is graph-safe whole: it replays one graph captured for its bucket and decode-row size
 (`capture_steps`) instead of up to three per layer, each launch of which costs the GPU
-15-25 µs. On an H200 a step of 128 decodes and a 256-token prompt (27 layers) took
-5.97-6.00 ms so, against 7.72-7.74 with 82 graphs (docs/PERFORMANCE.md, "Session 33"),
-and 5.62-5.63 ms after session 34's finer buckets and direct hand-offs below.
+15-25 µs (`python -m benchmarks.bench_engine --layers 27 --arrivals 256` times such
+steps; docs/PERFORMANCE.md).
 
 Tensors crossing a piece boundary live in static buffers shared by every layer and
 bucket (views of the largest bucket's): each piece copies its outputs there, so the
@@ -48,8 +47,9 @@ from pagedmla.metadata import MLAMetadata
 MAX_TOKENS = 2048  # largest bucket: above it a step is device-bound anyway
 MIN_TOKENS = 16
 # From here on buckets are a quarter of an octave apart: a step this large is bound by
-# its matmuls, where padding adds work (on an H200, 128 decodes and a 256-token prompt
-# took 5.85 ms on 384 rows against 6.02-6.04 on 512; docs/PERFORMANCE.md, "Session 34").
+# its matmuls, where padding adds work (tuned by `python -m benchmarks.bench_engine
+# --layers 27 --arrivals 256`: 128 decodes and a 256-token prompt run ~3% faster on a
+# 384-row bucket than on a 512-row one).
 FINE_TOKENS = 128
 
 

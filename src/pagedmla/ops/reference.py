@@ -1,7 +1,7 @@
 """The executable specification of every kernel: plain PyTorch, CPU and CUDA.
 
 Each function computes in float32 (whatever the input dtype) and writes results in
-the caller's dtype. Shapes use the symbols of DESIGN.md; lse is natural-log, float32,
+the caller's dtype. Shapes use the symbols of docs/design.md; lse is natural-log, float32,
 heads first ([N, T]); a query row that sees no key gets output 0 and lse -inf.
 """
 
