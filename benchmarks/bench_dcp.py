@@ -1,7 +1,7 @@
 """Decode context parallelism on two GPUs (NCCL): parity, decode throughput, max context.
 
-    python3 benchmarks/bench_dcp.py --out bench_dcp.json                   # 2 GPUs
-    python3 benchmarks/bench_dcp.py --device cpu --tiny --out /tmp/dcp.json  # CPU smoke test
+    python -m benchmarks.bench_dcp --out bench_dcp.json                   # 2 GPUs
+    python -m benchmarks.bench_dcp --device cpu --tiny --out /tmp/dcp.json  # CPU smoke test
 
 1. Decode, tp 2 with dcp 1 and dcp 2, on a DeepSeek-V2-Lite-shaped model (hidden 2048,
    27 layers, 16 heads, L 512, R 64, P 128, V 128, 64 experts top-6, 2 shared) whose

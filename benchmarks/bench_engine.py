@@ -13,7 +13,7 @@ Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. Wi
 `--tensor-parallel 2` the engine spawns a second rank (NCCL); `--dcp 2` adds decode
 context parallelism over the same two ranks.
 
-    python3 benchmarks/bench_engine.py --out engine.json
+    python -m benchmarks.bench_engine --out engine.json
 
 `--arrivals N` also times steps that add one N-token prompt each to the decodes
 (continuous arrivals): mixed steps, planned ahead in the async mode as decode steps

@@ -1,12 +1,13 @@
-"""End-to-end offline throughput (`pagedmla bench`) on `bench_engine.py`'s model.
+"""End-to-end offline throughput (`pagedmla bench`) on `benchmarks.bench_engine`'s model.
 
 Writes that random-weight DeepSeek checkpoint (`--layers`, `--hidden`, `--moe`; see
 `bench_engine.bench_config`) to a temporary directory and runs `pagedmla bench --model
 <it>` with the arguments after `--`: requests of random prompt tokens, generated to
-their max_tokens, timed end to end through `LLM.generate`. For example, session 33's
-run (docs/PERFORMANCE.md):
+their max_tokens, timed end to end through `LLM.generate` (tokens per second of prefill
+and decode). For example, 600 requests of 512 prompt and 256 generated tokens on the
+27-layer model:
 
-    python3 benchmarks/bench_generate.py --layers 27 -- --dtype bfloat16 \\
+    python -m benchmarks.bench_generate --layers 27 -- --dtype bfloat16 \\
         --num-requests 600 --input-len 512 --output-len 256 --max-num-seqs 128 \\
         --max-num-batched-tokens 2048 --num-kv-blocks 4096
 """
@@ -17,8 +18,7 @@ import argparse
 import sys
 import tempfile
 
-from bench_engine import bench_config
-
+from benchmarks.bench_engine import bench_config
 from pagedmla.cli import main as pagedmla_main
 from pagedmla.models.tiny import write_tiny_checkpoint
 

@@ -2,11 +2,11 @@
 CUDA-graph input staging and bookkeeping for `--batch` running sequences (the part
 CUDA graphs cannot hide).
 
-The step is the one bench_engine.py times as host work on the graph path: schedule,
+The step is the one `benchmarks.bench_engine` times as host work on the graph path: schedule,
 prepare, sample_rows, staging of the graph inputs (here into CPU buffers), turning
 the sampled token ids into the per-sequence map, and postprocess.
 
-    python3 benchmarks/bench_host.py --batch 128
+    python -m benchmarks.bench_host --batch 128
 """
 
 from __future__ import annotations

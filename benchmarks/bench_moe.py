@@ -7,15 +7,15 @@ experts distinct) and bf16 weights, in one process:
 * fused: `ops.triton.fused_experts`, replayed from a CUDA graph (GPU time);
 * grouped: the reference op (pairs sorted by expert, one matmul per expert that got
   tokens; reads the expert counts on the host), eager;
-* dense: every expert on every token, weighted by its routing weight (0 if not chosen),
-  the sync-free form the engine's decode graphs used before the fused op; graphed.
+* dense: every expert on every token, weighted by its routing weight (0 if not chosen):
+  the form without host syncs that a CUDA graph can hold without a fused op; graphed.
 
 Bytes: the weights of the experts the routing touches, plus x and the output; FLOPs:
 2 * T * k * 3 * H * I. Rates are compared with the card's HBM read rate and bf16 matmul
-rate, measured in the same run (`kernel_bench.ceilings`).
+rate, measured in the same run (`benchmarks.harness.ceilings`).
 
-    python3 benchmarks/bench_moe.py --out moe.json
-    python3 benchmarks/bench_moe.py --sweep --out moe_sweep.json  # launch configs
+    python -m benchmarks.bench_moe --out moe.json
+    python -m benchmarks.bench_moe --sweep --out moe_sweep.json  # launch configs
 
 `--sweep` times `MoEConfig` variants (block_m, block_n, block_k, warps, stages) at a few
 of these shapes instead, the search behind `ops.triton.moe.pick_config`.
@@ -30,7 +30,7 @@ import json
 import torch
 import triton
 
-from pagedmla.kernel_bench import bench, ceilings, graphed
+from benchmarks.harness import bench, ceilings, graphed
 from pagedmla.ops import reference
 from pagedmla.ops.triton import fused_experts
 from pagedmla.ops.triton.moe import MoEConfig, pick_config

@@ -5,7 +5,7 @@ the absorbed MQA path (decode_threshold = q) and once onto the MHA path with chu
 context (decode_threshold = 1, no router), bf16, Triton kernels. The measured crossover
 (largest q where MQA is faster) is printed next to PathCostModel's prediction.
 
-    python3 benchmarks/bench_routing.py --out routing.json
+    python -m benchmarks.bench_routing --out routing.json
 """
 
 from __future__ import annotations

@@ -1,29 +1,29 @@
-"""The split plan against forced piece counts, on decode batches just past one wave.
+"""The split-KV plan against forced split counts, on decode batches just past one wave.
 
 A uniform batch of a few more requests than one wave of programs (132 SMs on an H200,
-N = 16) would run its last requests as a second wave as long as the first; the plan
-cuts such batches finer instead (`split_plan`: with the 16-row bf16 kernel, even runs
-of the batch's tiles in one wave of persistent programs where they beat whole
-requests; with the others, uniform pieces or whole waves of pieces of two sizes). This
-times the decode (stage 1 and the combine, CUDA-graph replays, as the kernel benchmark
-times its decode rows) under the plan's own choice and under 1-4 forced pieces per
-request (`num_splits`, which widens the grid and is never persistent), to check the
-plan's choice against the best uniform cut; `pieces` is the plan's count.
-One row pads 132 requests with 12 empty ones, as an engine's graph does: there the
-plan's choice should match one piece. The last rows are ragged. --cache fp8 times the
-fp8 cache.
+N = 16) would run its last requests as a tail wave as long as the first; the plan cuts
+such batches finer instead (`split_plan`: with the 16-row bf16 kernel, even runs of the
+batch's tiles in one wave of persistent programs where they beat whole requests; with
+the others, uniform splits or whole waves of splits of two sizes). This times the
+decode (stage 1 and the combine, CUDA-graph replays, as `benchmarks.bench_kernels`
+times its decode rows) under the plan's own choice and under 1-4 forced splits per
+request (`num_splits`, which widens the grid and is never persistent): the plan's time
+should match the best uniform split count's. The JSON's `pieces` is the plan's number
+of splits. One row pads 132 requests with 12 empty ones, as an engine's graph does:
+there the plan's choice should match one split. The last rows are ragged. --cache fp8
+times the fp8 cache.
 
 --ragged times, instead, batches past one wave with lengths of every kind (uniform,
 two-level, uniform random, lognormal; drawn from a fixed seed) under the plan's choice
 and under each of the two plans it chooses between with a kernel that runs several
-pieces per program (`split_plan`): whole requests (the scored plan on that grid) and the
+splits per program (`split_plan`): whole requests (the scored plan on that grid) and the
 persistent one (even runs of the batch's tiles), each forced by moving the threshold
 `split_plan.STREAM_TILES` out of reach either way. It prints each batch's tiles, the
-persistent runs' share and pieces per run, and a least-squares fit of the persistent
-plan's time against them.
+persistent runs' share and splits per run (the JSON's `pieces_per_run`), and a
+least-squares fit of the persistent plan's time against them.
 
-    python3 benchmarks/bench_split_plan.py --out split_plan.json
-    python3 benchmarks/bench_split_plan.py --ragged --out split_plan_ragged.json
+    python -m benchmarks.bench_split_plan --out split_plan.json
+    python -m benchmarks.bench_split_plan --ragged --out split_plan_ragged.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import random
 import numpy as np
 import torch
 
-from pagedmla.kernel_bench import bench, decode_inputs, graphed
+from benchmarks.harness import bench, graphed
+from benchmarks.workloads import decode_inputs
 from pagedmla.ops.triton import split_plan
 from pagedmla.ops.triton._utils import cdiv, multiprocessor_count
 from pagedmla.ops.triton.decode import mla_decode
@@ -83,31 +84,31 @@ def run_ragged(heads: int, cache: torch.dtype, label: str) -> list[dict]:
     programs = multiprocessor_count(torch.device("cuda"))  # one wave at one head group
     rows = []
     print(f"{label} cache, N = {heads}, {programs} persistent programs")
-    print("| batch | tiles | share | pieces / run | plan µs | whole | persistent "
+    print("| batch | tiles | share | splits / run | plan µs | whole | persistent "
           "| plan / best |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, lengths in ragged_batches():
         inputs = decode_inputs(len(lengths), heads, max(lengths), cache=cache,
                                lengths=lengths)
         times: dict[str, float] = {}
-        pieces: dict[str, int] = {}
+        splits: dict[str, int] = {}
         for choice, threshold in THRESHOLDS.items():
             split_plan.STREAM_TILES = threshold
             plans: dict = {}
             replay = graphed(lambda x=inputs, p=plans: mla_decode(*x, plans=p))
             times[choice] = bench(replay)
             (plan,) = plans.values()
-            pieces[choice] = int((plan.work[:, 0] >= 0).sum())
+            splits[choice] = int((plan.work[:, 0] >= 0).sum())
             del replay
-            if plan.rows == plan.programs:  # a kernel of one piece per program: no choice
+            if plan.rows == plan.programs:  # a kernel of one split per program: no choice
                 break
         split_plan.STREAM_TILES = THRESHOLDS["plan"]
         tiles = sum(max(1, cdiv(n, 64)) for n in lengths)
         share = cdiv(tiles, programs)
-        per_run = pieces.get("persistent", 0) / programs
+        per_run = splits.get("persistent", 0) / programs
         rows.append({"batch": name, "N": heads, "cache": label, "lengths": lengths,
                      "tiles": tiles, "share": share, "pieces_per_run": per_run,
-                     "pieces": pieces, "us": times})
+                     "pieces": splits, "us": times})
         forced = [times.get("whole"), times.get("persistent")]
         ratio = f"{times['plan'] / min(forced):.3f}" if None not in forced else "-"
         print(f"| {name} | {tiles} | {share} | {per_run:.2f} | {times['plan']:.1f} | "
@@ -117,11 +118,11 @@ def run_ragged(heads: int, cache: torch.dtype, label: str) -> list[dict]:
         torch.cuda.empty_cache()
     if any("persistent" not in r["us"] for r in rows):
         return rows
-    # The persistent plan's time ~ a + b x share + c x pieces per run (µs).
+    # The persistent plan's time ~ a + b x share + c x splits per run (µs).
     design = np.array([[1.0, r["share"], r["pieces_per_run"]] for r in rows])
     a, b, c = np.linalg.lstsq(design, np.array([r["us"]["persistent"] for r in rows]),
                               rcond=None)[0]
-    print(f"persistent plan: {a:.1f} us + {b:.3f} us x share + {c:.2f} us x pieces per run")
+    print(f"persistent plan: {a:.1f} us + {b:.3f} us x share + {c:.2f} us x splits per run")
     return rows
 
 
@@ -142,11 +143,11 @@ def main() -> None:
         return
     rows = []
     print(f"{args.cache} cache, N = {args.heads}")
-    print("| batch | context | pieces | plan µs | 1 piece | 2 | 3 | 4 | plan / best forced |")
+    print("| batch | context | splits | plan µs | 1 split | 2 | 3 | 4 | plan / best forced |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch, context, lengths in SHAPES:
         inputs = decode_inputs(batch, args.heads, context, cache=cache, lengths=lengths)
-        times, pieces = {}, 0
+        times, plan_splits = {}, 0
         for splits in SPLITS:
             plans: dict = {}
             replay = graphed(lambda x=inputs, s=splits, p=plans: mla_decode(
@@ -154,12 +155,12 @@ def main() -> None:
             times["plan" if splits is None else str(splits)] = bench(replay)
             if splits is None:
                 (plan,) = plans.values()
-                pieces = int((plan.work[:, 0] >= 0).sum())
+                plan_splits = int((plan.work[:, 0] >= 0).sum())
         label = str(batch) if lengths is None else f"{batch} ragged"
         rows.append({"batch": label, "N": args.heads, "context": context, "cache": args.cache,
-                     "lengths": lengths, "pieces": pieces, "us": times})
+                     "lengths": lengths, "pieces": plan_splits, "us": times})
         best = min(t for k, t in times.items() if k != "plan")
-        print(f"| {label} | {context} | {pieces} | "
+        print(f"| {label} | {context} | {plan_splits} | "
               + " | ".join(f"{t:.1f}" for t in times.values())
               + f" | {times['plan'] / best:.2f} |", flush=True)
         del inputs, replay
