@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from benchmarks import performance_report as report
+from benchmarks import performance_tables as tables
 
 
 def test_documents_match_their_results() -> None:
@@ -46,7 +47,7 @@ def test_verdicts_follow_the_results(tmp_path: Path) -> None:
     results = tmp_path / "results"
     shutil.copytree(report.RESULTS, results)
     target = "decode, bf16 cache, one request of 64k, N = 128"
-    before = report.render_performance(report.Results(results))
+    before = report.render_performance(tables.Results(results))
     assert "**missed**" in _target_row(before, target)
 
     kernels = json.loads((results / "kernels_h200.json").read_text())
@@ -55,15 +56,15 @@ def test_verdicts_follow_the_results(tmp_path: Path) -> None:
                 row.get("context")) == ("mla_decode", "bf16", 1, 128, 65536):
             row["us"] = 39.0
     (results / "kernels_h200.json").write_text(json.dumps(kernels))
-    after = report.render_performance(report.Results(results))
+    after = report.render_performance(tables.Results(results))
     assert "**met**" in _target_row(after, target)
     assert "39.0 µs" in _target_row(after, target)
 
 
 def test_span_and_table_formatting() -> None:
-    assert report.span([98.2, 91.4, 94.0], 0, "%") == "91-98%"
-    assert report.span([1.8], 2, "x") == "1.80x"
-    assert report.span([]) == "none measured"
-    assert report.size(131072) == "128k" and report.size(1088) == "1088"
-    assert report.table(["a", "b"], [["x", "1"]]) == ["| a | b |", "|---|---:|", "| x | 1 |"]
+    assert tables.span([98.2, 91.4, 94.0], 0, "%") == "91-98%"
+    assert tables.span([1.8], 2, "x") == "1.80x"
+    assert tables.span([]) == "none measured"
+    assert tables.size(131072) == "128k" and tables.size(1088) == "1088"
+    assert tables.table(["a", "b"], [["x", "1"]]) == ["| a | b |", "|---|---:|", "| x | 1 |"]
     assert report.verdict([True, False, True]) == "**met on 2 of 3**"
