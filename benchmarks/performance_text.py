@@ -59,9 +59,9 @@ the bf16 row's time over the fp8 row's."""
 PLOTS = """Plots of this run: [decode bandwidth](results/decode_bandwidth.png),
 [decode TFLOP/s](results/decode_tflops.png), [prefill TFLOP/s](results/prefill_tflops.png)."""
 
-SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits matters most
-(the 132 SMs of an H200 hold one wave of 132 programs per head group). Each batch is
-captured twice in one process and the two replays (stage 1 and the combine, after the
+SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits matters most:
+an H200's 132 SMs run one program each, and at N = 128 a split takes two programs (two
+head groups of 64 rows). Each batch is captured twice in one process and the two replays (stage 1 and the combine, after the
 L2 wipe) are timed alternately three times, medians kept: under the plan the code makes
 ("µs"; "splits" it made; "even runs": each program got an even run of the batch's tiles)
 and under the same plan without its even and persistent layouts, one split per program
