@@ -61,11 +61,12 @@ PLOTS = """Plots of this run: [decode bandwidth](results/decode_bandwidth.png),
 
 SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits matters most:
 an H200's 132 SMs run one program each, and at N = 128 a split takes two programs (two
-head groups of 64 rows). Each batch is captured twice in one process and the two replays (stage 1 and the combine, after the
-L2 wipe) are timed alternately three times, medians kept: under the plan the code makes
-("µs"; "splits" it made; "even runs": each program got an even run of the batch's tiles)
-and under the same plan without its even and persistent layouts, one split per program
-("one split per program µs"). TFLOP/s = 2·N·Σctx·(2L + R) / time."""
+head groups of 64 rows). Each batch is captured twice in one process and the two replays
+(stage 1 and the combine, after the L2 wipe) are timed alternately three times, medians
+kept: under the plan the code makes ("µs"; "splits" it made; "even runs": each program
+got an even run of the batch's tiles) and under the same plan without its even and
+persistent layouts, one split per program ("one split per program µs").
+TFLOP/s = 2·N·Σctx·(2L + R) / time."""
 
 PREFILL = """Varlen attention with LSE, qk 192 / v 128 (DeepSeek's widths), bf16. "Gluon
 kernel" is `varlen_attention` as dispatched on Hopper; "backend op" is
