@@ -1,0 +1,305 @@
+"""Render docs/PERFORMANCE.md, and the README's speed summary, from docs/results/.
+
+    python -m benchmarks.performance_report          # rewrite both files
+    python -m benchmarks.performance_report --check  # exit 1 where a file differs
+
+Every number in docs/PERFORMANCE.md comes from a result file in docs/results/, and so do
+each table's card, date, commit and command (docs/results/provenance.json supplies them
+for files that do not record them). The verdicts against the targets are computed here,
+the tables come from `performance_tables.py` and the prose from `performance_text.py`.
+So numbers and text cannot drift apart: a new result file means running this module, and
+a CPU test runs `--check`. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import performance_text as text
+from benchmarks.performance_tables import (
+    Results,
+    cached_tokens,
+    ceilings_table,
+    dcp_table,
+    decode_label,
+    decode_rows,
+    decode_table,
+    engine_table,
+    experts_table,
+    memory_bound,
+    merge_rows,
+    merge_table,
+    mixed_table,
+    moe_ceilings,
+    num,
+    pct,
+    plan_batch,
+    plan_rows,
+    plan_table,
+    prefill_table,
+    reference_note,
+    routing_lines,
+    size,
+    span,
+    table,
+    times,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
+README = ROOT / "README.md"
+SPEED_BEGIN = "<!-- speed: rendered by `python -m benchmarks.performance_report` -->"
+SPEED_END = "<!-- /speed -->"
+MILLION = 1 << 20  # "1M cached tokens" in the README's summary
+
+
+# -- targets -----------------------------------------------------------------------------
+
+def verdict(passes: list[bool]) -> str:
+    met = sum(passes)
+    if met == len(passes):
+        return "**met**"
+    return "**missed**" if met == 0 else f"**met on {met} of {len(passes)}**"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target: what is measured against which bound, and why a miss happens."""
+
+    name: str
+    measure: Callable[[Results], tuple[str, str]]  # -> (measured, verdict)
+    limit: str
+
+
+def _memory_bound_bf16(res: Results) -> tuple[str, str]:
+    rows = [r for r in decode_rows(res.load("kernels_h200.json"))
+            if r["cache"] == "bf16" and memory_bound(r)]
+    measured = "; ".join(f"{decode_label(r, heads=False)}: {pct(r['pct_ceiling'])}"
+                         for r in rows)
+    return measured, verdict([r["pct_ceiling"] >= 90 for r in rows])
+
+
+def _compute_bound(res: Results) -> tuple[str, str]:
+    found = [(decode_label(r, heads=False), r["tflops"])
+             for r in decode_rows(res.load("kernels_h200.json"))
+             if r["cache"] == "bf16" and r["N"] == 128 and 64 <= r["B"] <= 128
+             and 4096 <= r["context"] <= 8192 and not r.get("lengths")]
+    for (cache, heads, batch), r in plan_rows(res.load("split_plan_h200.json")).items():
+        shape = plan_batch(batch)
+        if (cache == "bf16" and heads == 128 and shape and 64 <= shape[0] <= 128
+                and 4096 <= shape[1] <= 8192):
+            found.append((batch.replace(" x ", " × ") + " (split plan run)", r["tflops"]))
+    measured = "; ".join(f"{label}: {value:.0f}" for label, value in found)
+    return measured, verdict([value >= 400 for _, value in found])
+
+
+def _one_long_request(res: Results) -> tuple[str, str]:
+    rows = [r for r in decode_rows(res.load("kernels_h200.json"))
+            if r["cache"] == "bf16" and r["B"] == 1 and r["N"] == 128
+            and r["context"] == 65536]
+    measured = ", ".join(f"{num(r['us'])} µs ({num(r.get('clean_l2_us'))} after a clean L2)"
+                         for r in rows)
+    return measured, verdict([r["us"] <= 40 for r in rows])
+
+
+def _fp8_speedup(res: Results) -> tuple[str, str]:
+    found = [(decode_label(r, heads=False), r["fp8_speedup_vs_bf16"])
+             for r in decode_rows(res.load("kernels_h200.json"))
+             if r["cache"] == "fp8" and memory_bound(r) and r.get("fp8_speedup_vs_bf16")]
+    ours = plan_rows(res.load("split_plan_h200.json"))
+    for (cache, heads, batch), r in ours.items():
+        bf16 = ours.get(("bf16", heads, batch))
+        if cache == "fp8" and heads <= 16 and bf16:
+            found.append((batch.replace(" x ", " × ") + " (split plan run)",
+                          bf16["us"] / r["us"]))
+    measured = "; ".join(f"{label}: {times(value)}" for label, value in found)
+    return measured, verdict([value >= 1.7 for _, value in found])
+
+
+def _merge(res: Results) -> tuple[str, str]:
+    rows = merge_rows(res.load("kernels_h200.json"))
+    return (", ".join(f"{num(r['tbps'], 2)} TB/s" for r in rows),
+            verdict([r["tbps"] >= 3.5 for r in rows]))
+
+
+def _prefill(stage: str) -> Callable[[Results], tuple[str, str]]:
+    def measure(res: Results) -> tuple[str, str]:
+        rows = [r for r in res.load("kernels_h200.json")["results"]
+                if r["kernel"] == stage and r.get("causal") and r.get("baseline_us")
+                and 4096 <= r["tokens"] <= 16384]
+        ratios = [(f"N {r['N']} {size(r['tokens'])}", r["baseline_us"] / r["us"])
+                  for r in rows]
+        return ("; ".join(f"{label}: {times(x)}" for label, x in ratios),
+                verdict([x >= 0.9 for _, x in ratios]))
+    return measure
+
+
+def _engine_idle(res: Results) -> tuple[str, str]:
+    run = res.load("engine_h200.json")
+    r = run["runs"]["cuda_graphs_async"]
+    measured = (f"GPU idle {pct(100 * max(r['idle_share'], 0.0), 1)} of a "
+                f"{num(r['step_ms'], 2)} ms step at batch {run['args']['batch']}; the host's "
+                f"own work, overlapped with the device, {pct(100 * r['host_share'])}")
+    return measured, verdict([r["idle_share"] < 0.10])
+
+
+TARGETS = [
+    Target("decode, bf16 cache, N·q_len ≤ 16 (memory-bound): ≥ 90% of the HBM read ceiling",
+           _memory_bound_bf16, text.LIMITS["memory_bound"]),
+    Target("decode, bf16 cache, N = 128, 64-128 requests of 4k-8k: ≥ 400 TFLOP/s",
+           _compute_bound, text.LIMITS["compute_bound"]),
+    Target("decode, bf16 cache, one request of 64k, N = 128: ≤ 40 µs",
+           _one_long_request, text.LIMITS["one_long_request"]),
+    Target("decode, fp8 cache, N·q_len ≤ 16: ≥ 1.7x the bf16 cache's speed",
+           _fp8_speedup, text.LIMITS["fp8"]),
+    Target("merge_attn_states, T = 16384, N = 128, D = 128: ≥ 3.5 TB/s", _merge,
+           text.LIMITS["merge"]),
+    Target("prefill (backend op), qk 192 / v 128, causal, N 16 and 128, 4k-16k tokens: "
+           "≥ 0.9x cuDNN SDPA", _prefill("prefill_attention"), text.LIMITS["prefill_op"]),
+    Target("prefill, the Gluon kernel alone, same shapes: ≥ 0.9x cuDNN SDPA",
+           _prefill("varlen_attention"), text.LIMITS["prefill_kernel"]),
+    Target("engine decode step with CUDA graphs, batch 128: the GPU waits for the host "
+           "< 10% of the step", _engine_idle, text.LIMITS["engine"]),
+]
+
+
+def targets_table(res: Results) -> list[str]:
+    rows = []
+    for target in TARGETS:
+        measured, result = target.measure(res)
+        rows.append([target.name, measured, result, target.limit])
+    return table(["target", "measured", "verdict", "what limits it"], rows, left=4)
+
+
+# -- the documents -----------------------------------------------------------------------
+
+def render_performance(res: Results) -> str:
+    kernels = res.load("kernels_h200.json")
+    parallel = engine_table([res.load("engine_tp2_2xh200.json"),
+                             res.load("engine_tp2_dcp2_2xh200.json")])
+    engine = engine_table([res.load(name) for name in ("engine_h200.json",
+                                                       "engine_moe_h200.json",
+                                                       "engine_b144_h200.json")])
+    dcp = res.load("dcp_2xh200.json")
+    parity = dcp.get("parity", {})
+    sections = [
+        text.INTRO, "## Method", text.METHOD,
+        "## Ceilings", res.source("kernels_h200.json"), "", *ceilings_table(kernels),
+        "## Against the targets", text.TARGETS_INTRO, "", *targets_table(res),
+        "## Decode", res.source("kernels_h200.json"), "", text.DECODE, "",
+        *decode_table(kernels), "", reference_note(kernels), "", text.PLOTS,
+        "### Past one wave of requests", res.source("split_plan_h200.json"), "",
+        text.SPLIT_PLAN, "", *plan_table(res.load("split_plan_h200.json")),
+        "## Prefill", res.source("kernels_h200.json"), "", text.PREFILL, "",
+        *prefill_table(kernels),
+        "## Merge", res.source("kernels_h200.json"), "", text.MERGE, "", *merge_table(kernels),
+        "## Engine", *(res.source(n) for n in ("engine_h200.json", "engine_moe_h200.json",
+                                                "engine_b144_h200.json")),
+        "", text.ENGINE, "", *engine,
+        "### Steps that admit a prompt", res.source("engine_mixed_h200.json"), "",
+        text.MIXED, "", *mixed_table(res.load("engine_mixed_h200.json")),
+        "## Parallel", res.source("engine_tp2_2xh200.json"),
+        res.source("engine_tp2_dcp2_2xh200.json"), "", text.PARALLEL, "", *parallel,
+        "### Decode context parallelism, eager steps", res.source("dcp_2xh200.json"), "",
+        text.DCP, "", *dcp_table(dcp), "",
+        f"Parity on the same machine (TP 2 + DCP 2 against one process, tiny model, float32, "
+        f"NCCL): greedy tokens {'identical' if parity.get('tokens_identical') else 'differ'}, "
+        f"largest logprob difference {parity.get('max_logprob_diff', float('nan')):.1e}.",
+        "## Routed experts", res.source("moe_h200.json"), "", text.EXPERTS, "",
+        moe_ceilings(res.load("moe_h200.json")), "",
+        *experts_table(res.load("moe_h200.json")),
+        "## MQA or MHA", res.source("routing_h200.json"), "", text.ROUTING, "",
+        *routing_lines(res.load("routing_h200.json")),
+        "## CPU", text.CPU,
+    ]
+    out: list[str] = []
+    for part in sections:
+        if part.startswith("#"):  # a heading: one blank line before and after it
+            out += ["", part, ""] if out else [part, ""]
+        else:
+            out.append(part)
+    body = "\n".join(out)
+    return re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
+
+
+def speed_summary(res: Results) -> list[str]:
+    """The README's speed bullets: headline numbers of the same results."""
+    kernels = res.load("kernels_h200.json")
+    rows = decode_rows(kernels)
+    large = [r for r in rows if memory_bound(r) and cached_tokens(r) >= MILLION]
+    bf16 = [r for r in large if r["cache"] == "bf16"]
+    strongest = [min(r["baseline_us"], r["triton_4_splits_us"]) / r["us"] for r in bf16
+                 if r.get("baseline_us") and r.get("triton_4_splits_us")]
+    fp8 = [r["fp8_speedup_vs_bf16"] for r in large if r.get("fp8_speedup_vs_bf16")]
+    heads = [r["tflops"] for r in rows if r["cache"] == "bf16" and r["N"] == 128
+             and 64 <= r["B"] <= 128 and not r.get("lengths")]
+    matmul = kernels["ceilings"]["bf16_matmul_tflops"]
+    prefill = [r["baseline_us"] / r["us"] for r in kernels["results"]
+               if r["kernel"] == "prefill_attention" and r.get("baseline_us")]
+    engine = res.load("engine_h200.json")
+    step, eager = engine["runs"]["cuda_graphs_async"], engine["runs"]["eager"]
+    bullets = [
+        f"Decode, bf16 cache, batches of 1M cached tokens or more: "
+        f"{span([r['pct_ceiling'] for r in bf16], 0, '%')} of the HBM read rate, "
+        f"{span(strongest, 2, 'x')} the speed of the strongest baseline; an fp8 cache "
+        f"runs {span(fp8, 2, 'x')} as fast as bf16.",
+        f"Decode with 128 heads (DeepSeek-V3 on one GPU), 64-128 requests: "
+        f"{span(heads)} TFLOP/s, {span([100 * h / matmul for h in heads], 0, '%')} of the "
+        f"bf16 matmul rate.",
+        f"Prefill attention (qk 192, v 128): {span(prefill, 2, 'x')} the speed of cuDNN's "
+        f"SDPA.",
+        f"Engine, {engine['args']['layers']}-layer model, batch {engine['args']['batch']}: "
+        f"{num(step['step_ms'], 2)} ms per decode step with CUDA graphs and asynchronous "
+        f"scheduling ({num(step['tokens_per_s'], 0)} tokens/s, "
+        f"{times(eager['step_ms'] / step['step_ms'])} the eager steps' speed).",
+    ]
+    return [line for bullet in bullets
+            for line in textwrap.wrap(bullet, 88, initial_indent="- ",
+                                      subsequent_indent="  ")]
+
+
+def render_readme(readme: str, res: Results) -> str:
+    """`readme` with the block between SPEED_BEGIN and SPEED_END rendered anew."""
+    start, end = readme.find(SPEED_BEGIN), readme.find(SPEED_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md lacks the markers {SPEED_BEGIN!r} ... {SPEED_END!r}")
+    block = "\n".join([SPEED_BEGIN, *speed_summary(res), ""])
+    return readme[:start] + block + readme[end:]
+
+
+def render(results: Path = RESULTS, readme: Path = README) -> dict[Path, str]:
+    """What each file should hold, by path."""
+    res = Results(results)
+    return {PERFORMANCE: render_performance(res),
+            readme: render_readme(readme.read_text(), res)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a file differs from its rendering")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, content in render().items():
+        if path.exists() and path.read_text() == content:
+            continue
+        if args.check:
+            stale.append(path)
+        else:
+            path.write_text(content)
+            print(f"wrote {path.relative_to(ROOT)}")
+    for path in stale:
+        print(f"{path.relative_to(ROOT)} differs from what docs/results/ renders: run "
+              "`python -m benchmarks.performance_report`", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The tables of docs/PERFORMANCE.md, one per area, from the result files in docs/results/.
+
+Each function takes a loaded result file and returns markdown lines; `Results` reads the
+files and names each one's card, date, commit and command. `performance_report` puts
+the tables together. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MISSING = (None, "", "HEAD", "unknown")  # recorded values that identify nothing
+
+
+# -- the result files --------------------------------------------------------------------
+
+@dataclass
+class Results:
+    """The result files of one directory, read once each."""
+
+    directory: Path
+
+    def __post_init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+        self.provenance: dict[str, dict[str, Any]] = self.load("provenance.json")
+
+    def load(self, name: str) -> Any:
+        if name not in self._cache:
+            self._cache[name] = json.loads((self.directory / name).read_text())
+        return self._cache[name]
+
+    def source(self, name: str) -> str:
+        """One line naming the card, date, commit and command behind `name`."""
+        data = self.load(name)
+        recorded = data if isinstance(data, dict) else {}
+        noted = self.provenance.get(name, {})
+
+        def pick(*keys: str) -> str:
+            for key in keys:
+                if recorded.get(key) not in MISSING:
+                    return str(recorded[key])
+            return str(noted.get(keys[0], "not recorded"))
+
+        card = pick("gpu")
+        if card == "not recorded":
+            card = str(noted.get("card", card))
+        if noted.get("gpus", 1) > 1:
+            card = f"{noted['gpus']}x {card}"
+        details = [f"{recorded['sms']} SMs" if "sms" in recorded else None,
+                   f"PyTorch {recorded['torch']}" if "torch" in recorded else None,
+                   f"Triton {recorded['triton']}" if "triton" in recorded else None]
+        details = [d for d in details if d]
+        if details:
+            card += f" ({', '.join(details)})"
+        command = pick("command")
+        if not command.startswith(("python", "one-off")):  # a recorded sys.argv
+            command = "python3 " + re.sub(r"^\S*?(?=benchmarks/)", "", command)
+        return (f"Card: {card}. Date: {pick('date')[:10]}. Commit: `{pick('commit')}`. "
+                f"Command: `{command}`. Raw: [{name}](results/{name}).")
+
+
+# -- formatting --------------------------------------------------------------------------
+
+def num(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def pct(value: float | None, digits: int = 0) -> str:
+    return "" if value is None else f"{value:.{digits}f}%"
+
+
+def times(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def size(n: int) -> str:
+    """2048 -> 2k, 131072 -> 128k, 1088 -> 1088."""
+    return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
+
+def span(values: Iterable[float], digits: int = 0, unit: str = "") -> str:
+    """The range of `values`: "91-98%" for span(.., 0, "%"), "1.75-1.83x" for (.., 2, "x")."""
+    values = sorted(values)
+    if not values:
+        return "none measured"
+    low, high = f"{values[0]:.{digits}f}", f"{values[-1]:.{digits}f}"
+    return (low if low == high else f"{low}-{high}") + unit
+
+
+def table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A markdown table; the first `left` columns are text, the others numbers."""
+    rule = ["---"] * left + ["---:"] * (len(header) - left)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+# -- kernels -----------------------------------------------------------------------------
+
+def ceilings_table(kernels: dict) -> list[str]:
+    ceil = kernels["ceilings"]
+    return table(["ceiling", "measured"], [
+        ["HBM read (the faster of `torch.sum` and a plain Triton read of 4 GiB)",
+         f"{num(ceil['hbm_read_tbps'], 2)} TB/s"],
+        ["HBM read by `torch.sum`", f"{num(ceil.get('hbm_read_torch_sum_tbps'), 2)} TB/s"],
+        ["device copy", f"{num(ceil['hbm_copy_tbps'], 2)} TB/s"],
+        ["bf16 matmul (8192³)", f"{num(ceil['bf16_matmul_tflops'], 0)} TFLOP/s"],
+    ])
+
+
+def runs_of(lengths: str) -> list[tuple[int, int]]:
+    """"1 x 131072 + 63 x 2048" -> [(1, 131072), (63, 2048)]."""
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+) x (\d+)", lengths)]
+
+
+def cached_tokens(row: dict) -> int:
+    if row.get("lengths"):
+        return sum(a * b for a, b in runs_of(row["lengths"]))
+    return row["B"] * row["context"]
+
+
+def decode_label(row: dict, heads: bool = True) -> str:
+    if row.get("lengths"):
+        batch = " + ".join(f"{a} × {size(b)}" for a, b in runs_of(row["lengths"]))
+    else:
+        batch = f"{row['B']} × {size(row['context'])}"
+    extras = [f"N {row['N']}"] if heads else []
+    if row.get("q_len", 1) > 1:
+        extras.append(f"q_len {row['q_len']}")
+    if row.get("page", 64) != 64:
+        extras.append(f"page {row['page']}")
+    return ", ".join([batch, *extras])
+
+
+def decode_rows(kernels: dict) -> list[dict]:
+    return [r for r in kernels["results"] if r["kernel"] == "mla_decode"]
+
+
+def memory_bound(row: dict) -> bool:
+    return row["N"] * row.get("q_len", 1) <= 16
+
+
+def decode_table(kernels: dict) -> list[str]:
+    ceil = kernels["ceilings"]
+    rows = []
+    for r in decode_rows(kernels):
+        baselines = [u for u in (r.get("baseline_us"), r.get("triton_4_splits_us")) if u]
+        read = r.get("same_size_read_us")
+        stage = str(r.get("stage1", "")).capitalize()
+        rows.append([
+            decode_label(r), r["cache"], stage, num(r["us"]), num(r.get("with_plan_us")),
+            num(r["tbps"], 2), pct(r["pct_ceiling"]), pct(r.get("pct_ceiling_clean_l2")),
+            pct(100 * read / r["us"] if read else None), num(r["tflops"], 0),
+            pct(100 * r["tflops"] / ceil["bf16_matmul_tflops"]),
+            times(r.get("fp8_speedup_vs_bf16")), num(r.get("triton_stage1_us")),
+            num(r.get("baseline_us")), num(r.get("triton_4_splits_us")),
+            times(min(baselines) / r["us"] if baselines else None),
+        ])
+    header = ["batch", "cache", "stage 1", "µs", "+ plan µs", "TB/s", "% HBM read",
+              "% HBM read, clean L2", "% of a same-size read", "TFLOP/s", "% matmul",
+              "fp8 speed-up", "Triton kernel µs", "gather + bmm µs", "Triton, 4 splits µs",
+              "vs strongest baseline"]
+    return table(header, rows, left=3)
+
+
+def reference_note(kernels: dict) -> str:
+    timed = [f"{num(r['reference_us'])} µs at {decode_label(r)}"
+             for r in decode_rows(kernels) if r.get("reference_us")]
+    if not timed:
+        return ""
+    return ("The executable specification (`ops/reference.py`, float32, eager) takes "
+            + "; ".join(timed) + ".")
+
+
+# -- decode past one wave (the split plan) ----------------------------------------------
+
+def plan_rows(plan: list[dict], variant: str = "auto") -> dict[tuple, dict]:
+    short = {"torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8"}
+    return {(short.get(r["cache"], r["cache"]), r["N"], r["batch"]): r
+            for r in plan if r["variant"] == variant}
+
+
+def plan_table(plan: list[dict]) -> list[str]:
+    ours, scored = plan_rows(plan), plan_rows(plan, "scored")
+    rows = []
+    for (cache, heads, batch), r in ours.items():
+        other = scored.get((cache, heads, batch))
+        bf16 = ours.get(("bf16", heads, batch)) if cache == "fp8" else None
+        rows.append([
+            batch.replace(" x ", " × "), str(heads), cache, num(r["us"]), num(r["tflops"], 0),
+            str(r["pieces"]), "yes" if r.get("even") else "",
+            num(other["us"]) if other else "", times(other["us"] / r["us"]) if other else "",
+            times(bf16["us"] / r["us"]) if bf16 else "",
+        ])
+    header = ["batch", "N", "cache", "µs", "TFLOP/s", "splits", "even runs",
+              "one split per program µs", "speed-up", "fp8 speed-up"]
+    return table(header, rows, left=3)
+
+
+def plan_batch(batch: str) -> tuple[int, int] | None:
+    """"67 x 4k" -> (67, 4096); None for other batches (ragged, lognormal)."""
+    match = re.fullmatch(r"(\d+) x (\d+)k", batch)
+    return (int(match[1]), int(match[2]) * 1024) if match else None
+
+
+# -- prefill, merge, experts, routing --------------------------------------------------
+
+def prefill_table(kernels: dict) -> list[str]:
+    matmul = kernels["ceilings"]["bf16_matmul_tflops"]
+    rows = []
+    for r in kernels["results"]:
+        if r["kernel"] not in ("varlen_attention", "prefill_attention"):
+            continue
+        op = ("backend op" if r["kernel"] == "prefill_attention"
+              else f"{str(r.get('stage', '')).capitalize()} kernel")
+        base = r.get("baseline_us")
+        rows.append([
+            r["shape"], str(r["N"]), op, num(r["us"]), num(r["tflops"], 0),
+            pct(100 * r["tflops"] / matmul), num(r.get("triton_kernel_us")), num(base),
+            times(base / r["us"]) if base else "", num(r.get("host_us"), 0),
+        ])
+    header = ["shape", "N", "op", "µs", "TFLOP/s", "% matmul", "Triton kernel µs",
+              "cuDNN SDPA µs", "vs cuDNN", "host µs per call"]
+    return table(header, rows, left=3)
+
+
+def merge_rows(kernels: dict) -> list[dict]:
+    return [r for r in kernels["results"] if r["kernel"] == "merge_attn_states"]
+
+
+def merge_table(kernels: dict) -> list[str]:
+    copy = kernels["ceilings"]["hbm_copy_tbps"]
+    rows = [[f"T {r['T']}, N {r['N']}, D {r['D']}", num(r["us"]), num(r["tbps"], 2),
+             pct(100 * r["tbps"] / copy), num(r.get("baseline_us")),
+             times(r["baseline_us"] / r["us"]) if r.get("baseline_us") else ""]
+            for r in merge_rows(kernels)]
+    return table(["shape", "µs", "TB/s", "% of a device copy", "torch.compile µs",
+                  "speed-up"], rows)
+
+
+def moe_ceilings(moe: dict) -> str:
+    ceil = moe["ceilings"]
+    return (f"Ceilings measured in this run: HBM read {num(ceil['hbm_read_tbps'], 2)} TB/s "
+            f"(`torch.sum`), bf16 matmul {num(ceil['bf16_matmul_tflops'], 0)} TFLOP/s; a "
+            "streaming kernel can pass `torch.sum`'s read rate by a little.")
+
+
+def experts_table(moe: dict) -> list[str]:
+    ceil = moe["ceilings"]
+    rows, seen = [], set()
+    for r in moe["results"]:
+        label = ""
+        if r["shape"] not in seen:
+            seen.add(r["shape"])
+            label = f"{r['shape']} ({r['E']}, top {r['k']}, H {r['H']}, I {r['I']})"
+        baselines = [u for u in (r.get("grouped_us"), r.get("dense_us")) if u]
+        rows.append([
+            label, str(r["T"]), num(r["fused_us"]), num(r["tbps"], 2),
+            pct(100 * r["tbps"] / ceil["hbm_read_tbps"]), num(r["tflops"], 0),
+            pct(100 * r["tflops"] / ceil["bf16_matmul_tflops"]), num(r.get("grouped_us"), 0),
+            num(r.get("dense_us"), 0), times(min(baselines) / r["fused_us"]),
+        ])
+    header = ["experts", "tokens", "fused µs", "TB/s", "% HBM read", "TFLOP/s", "% matmul",
+              "grouped µs", "dense µs", "vs strongest baseline"]
+    return table(header, rows, left=1)
+
+
+def routing_lines(routing: dict) -> list[str]:
+    rows = [r for r in routing["rows"] if r.get("mha") is not None]
+    queries = sorted({r["q"] for r in rows})
+    grid = {(r["heads"], r["context"], r["q"]): r for r in rows}
+    out = []
+    for heads, context in sorted({(r["heads"], r["context"]) for r in rows}):
+        cells = []
+        for q in queries:
+            r = grid.get((heads, context, q))
+            if r is None:
+                cells.append("")
+                continue
+            mha = f"**{r['mha']:.2f}**" if r["mha"] < r["mqa"] else f"{r['mha']:.2f}"
+            cells.append(f"{r['mqa']:.2f} / {mha}")
+        out.append([str(heads), size(context), *cells])
+    agree = sum((r["mqa"] < r["mha"]) == r["model_prefers_mqa"] for r in rows)
+    note = (f"MQA / MHA milliseconds for {routing['batch']} requests of q new tokens over C "
+            "cached ones (bold where MHA is faster). The cost model "
+            f"(`routing.PathCostModel`) picks the faster path in {agree} of {len(rows)} cases.")
+    return [*table(["N", "C", *(f"q={q}" for q in queries)], out, left=2), "", note]
+
+
+# -- engine ------------------------------------------------------------------------------
+
+MODES = {"eager": "eager", "cuda_graphs": "CUDA graphs",
+         "cuda_graphs_async": "CUDA graphs, async scheduling"}
+
+
+def engine_label(args: dict) -> str:
+    model = f"{args['layers']} layers{', MoE' if args.get('moe') else ''}"
+    layout = []
+    if args.get("tensor_parallel", 1) > 1:
+        layout.append(f"TP {args['tensor_parallel']}")
+    if args.get("dcp", 1) > 1:
+        layout.append(f"DCP {args['dcp']}")
+    batch = f"{args['batch']} × {size(args['prompt_len'])}"
+    return ", ".join([model, *layout, batch])
+
+
+def engine_rows(run: dict) -> list[list[str]]:
+    args, runs = run["args"], run["runs"]
+    eager = runs.get("eager")
+    rows = []
+    for mode, r in runs.items():
+        rows.append([
+            engine_label(args) if not rows else "", MODES.get(mode, mode), num(r["step_ms"], 2),
+            num(r["host_ms"], 2), pct(100 * max(r["idle_share"], 0.0), 1),
+            num(r["tokens_per_s"], 0), times(eager["step_ms"] / r["step_ms"]) if eager else "",
+        ])
+    return rows
+
+
+def engine_table(runs: list[dict]) -> list[str]:
+    """Engine runs (bench_engine results), each mode a row."""
+    header = ["model, batch × context", "mode", "step ms", "host ms", "GPU idle", "tokens/s",
+              "vs eager"]
+    return table(header, [row for run in runs for row in engine_rows(run)], left=2)
+
+
+def mixed_table(mixed: dict) -> list[str]:
+    rows = []
+    for mode, r in mixed["runs"].items():
+        if "mixed_step_ms" not in r:
+            continue
+        rows.append([
+            f"{mixed['args']['batch']} decodes + one {r['arrival_len']}-token prompt",
+            MODES.get(mode, mode), num(r["step_ms"], 2), num(r["mixed_step_ms"], 2),
+            times(r["mixed_step_ms"] / r["step_ms"]),
+            pct(100 * r["mixed_ahead_share"]) if "mixed_ahead_share" in r else "",
+        ])
+    return table(["step", "mode", "decode step ms", "step with the prompt ms",
+                  "vs a decode step", "planned ahead"], rows, left=2)
+
+
+def dcp_table(dcp: dict) -> list[str]:
+    rows = [[str(r["dcp"]), str(r["batch"]), size(r["context"]), num(r["step_ms"], 1),
+             num(r["tokens_per_s"], 0), f"{r['max_context_tokens']:,}"]
+            for r in dcp["decode"]]
+    return table(["DCP", "batch", "context", "step ms", "tokens/s",
+                  "context tokens the cache holds"], rows, left=0)

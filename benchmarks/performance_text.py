@@ -1,0 +1,145 @@
+"""The prose of docs/PERFORMANCE.md: what each table measures, and what limits each target.
+
+`performance_report.py` puts the tables between these paragraphs. Nothing here is a
+measured number of a result file; those come from docs/results/ only.
+"""
+
+INTRO = """# Performance
+
+Current numbers of the Triton backend's kernels and of the engine on NVIDIA H200 GPUs,
+against the card's ceilings and the strongest baselines measured in the same run. This
+file is rendered by `python -m benchmarks.performance_report` from the result files in
+[results/](results/): edit `benchmarks/performance_report.py` or
+`benchmarks/performance_text.py`, not this file. Each table names its card, date, commit
+and command. Which kernel runs on which GPU: [kernels.md](kernels.md); how the code is
+built: [design.md](design.md)."""
+
+METHOD = """- **Counted first.** Each kernel's FLOPs and the fewest bytes it must move are counted
+  before it is timed. Decode reads every cache row once, plus q and the output; its FLOPs
+  are 2·N·q_len·Σctx·(L + R) for the scores and 2·N·q_len·Σctx·L for the values.
+- **Timed on the device.** Medians of CUDA-event timings after warm-up
+  (`triton.testing.do_bench`), which writes a 256 MB buffer, several times the L2 cache,
+  before every call, so that the inputs come from HBM.
+- **Graph replays.** A decode row times the replay of a CUDA graph of one `mla_decode`
+  call (stage 1 and the combine) whose split plan was made before the capture, as every
+  layer of a forward but the first finds it; "+ plan" makes the plan inside the replay
+  (the engine pays that once per forward). Prefill rows time GPU work only: a spin kernel
+  queued ahead of the timed calls keeps the host's launch work off the clock, and "host
+  µs per call" is that work.
+- **Clean L2.** The wipe leaves dirty lines in L2 whose write-back shares HBM with the
+  timed call. The clean-L2 column replays after a wipe that reads 256 MB instead, which
+  is closer to what a decode layer meets inside a model. Verdicts use the standard wipe.
+- **Ceilings in the same run.** HBM read: the faster of `torch.sum` and a plain streaming
+  Triton read of 4 GiB. Device copy. bf16 matmul: 8192³ on random data. "% of a
+  same-size read" compares a decode with a plain read of as many bytes, timed the same
+  way: what any read of that size reaches, fixed costs included.
+- **Baselines in the same run.** Decode: plain PyTorch (gather each request's pages,
+  bf16 `bmm`, float32 softmax, `bmm`: `torch_decode`), and our Triton kernel with every
+  request cut into 4 splits instead of the split plan, as widely used Triton MLA decode
+  kernels split. "vs strongest baseline" is the faster baseline's time over ours.
+  Prefill: PyTorch SDPA on cuDNN. Merge: `torch.compile` of the reference. Routed
+  experts: the reference op and a dense form.
+- **Spread.** Between runs of unchanged code, rows move by up to 3-5% (the 64-row kernel
+  at 128 × 8k by up to 15% between processes), so a change is judged by an A/B within one
+  run on one card. The fp8 16-row kernel follows the SM clock, which the card lowers at
+  its power cap under sustained load; the kernel benchmark records the clock of each row
+  (`sm_mhz`)."""
+
+TARGETS_INTRO = """Each verdict is computed from the rows of the tables below that fall
+in the target's scope; "met on k of n" lists every such row. The last column names what
+bounds the kernel where a target is missed."""
+
+DECODE = """`mla_decode`, the absorbed MQA over the paged latent cache: L 512, R 64, bf16
+queries, 64-token pages unless noted. On Hopper, stage 1 is a warp-specialized Gluon
+kernel (which one for a cache dtype and N·q_len: [kernels.md](kernels.md)); "Triton
+kernel µs" times the portable Triton kernel on the same call in the same run, the one
+other GPUs run. N·q_len ≤ 16 is memory-bound, N = 128 compute-bound. "fp8 speed-up" is
+the bf16 row's time over the fp8 row's."""
+
+PLOTS = """Plots of this run: [decode bandwidth](results/decode_bandwidth.png),
+[decode TFLOP/s](results/decode_tflops.png), [prefill TFLOP/s](results/prefill_tflops.png)."""
+
+SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits matters most:
+an H200's 132 SMs run one program each, and at N = 128 a split takes two programs (two
+head groups of 64 rows). Each batch is captured twice in one process and the two replays
+(stage 1 and the combine, after the L2 wipe) are timed alternately three times, medians
+kept: under the plan the code makes ("µs"; "splits" it made; "even runs": each program
+got an even run of the batch's tiles) and under the same plan without its even and
+persistent layouts, one split per program ("one split per program µs").
+TFLOP/s = 2·N·Σctx·(2L + R) / time."""
+
+PREFILL = """Varlen attention with LSE, qk 192 / v 128 (DeepSeek's widths), bf16. "Gluon
+kernel" is `varlen_attention` as dispatched on Hopper; "backend op" is
+`prefill_attention`, which hands batches of equal-length sequences to cuDNN and
+everything else to our kernel; "Triton kernel µs" times the portable kernel in the same
+run. Ragged batches have no single-call SDPA baseline."""
+
+MERGE = """`merge_attn_states` folds two partials [T, N, D] with their LSE into one:
+both partials and LSEs read once, the output and its LSE written once."""
+
+ENGINE = """`LLM` steps driven as `LLM.generate` drives them, on a model of random weights
+with DeepSeek-V2-Lite's attention (16 heads, L 512, R 64, P 128, V 128), hidden 2048,
+vocabulary 32000, bf16, and dense MLPs (MoE: V2-Lite's experts, 64 routed, top 6, 2
+shared), so that attention, norms and projections are what a step holds. Timed: the
+decode-only steps after the batch's prompts. "step ms" is the wall time between two
+steps' completions, "host ms" the part of it the host is busy, "GPU idle" the share of
+the step in which the device waits for the host (CUDA events around the step's work).
+"vs eager" compares with eager steps of the same run; no other engine was measured."""
+
+MIXED = """Continuous arrivals: each step holds the batch's decodes and one new prompt.
+With CUDA graphs such a step replays one graph of the whole step
+(`engine/prompt_rows.py`). "planned ahead" is the share of these steps that the
+scheduler planned while the step before them ran."""
+
+PARALLEL = """The same model and batch on two H200s over NCCL: tensor parallelism over
+both ranks, and decode context parallelism over the same two (each rank holds half of
+every sequence's latents). Every rank captures the decode graphs with the collectives
+inside them."""
+
+DCP = """DeepSeek-V2-Lite's shape (27 layers, 64 routed experts top 6, 2 shared), random
+weights, bf16, TP 2, 64-token pages, eager steps. Decode context parallelism doubles the
+context the cache holds. At the measured commit the eager routed experts synchronised
+with the host every layer and dominate these steps: the table shows capacity, not the
+speed of graphed steps (above)."""
+
+EXPERTS = """`fused_experts`: routed SwiGLU experts as two grouped GEMMs over tokens sorted
+by expert on the device (no host synchronisation), replayed from a CUDA graph.
+"grouped": the reference op (one matmul per expert that got tokens, the counts read on
+the host), eager; "dense": every expert on every token weighted by its routing weight,
+graphed. Bytes: the weights of the experts the routing touches, plus x and the output;
+random routing."""
+
+ROUTING = """Which path a request of q new tokens over C cached ones should take: the
+absorbed MQA path, or the MHA path with chunked context. One `MLAAttention` forward per
+path from Python, bf16, Triton backend, median of 10 CUDA-event timings; at small q the
+MQA time is the layer's launch from Python, not its kernels. The engine routes extends
+by the cost model (`route_by_cost=True`); fresh prompts always take MHA."""
+
+CPU = """On the CPU the reference backend runs everything, and the tests run the Triton
+kernels in Triton's interpreter: both are for correctness and CI, not measured here.
+`pagedmla generate --device cpu` and `pagedmla check` print their own times."""
+
+# What bounds the kernel or the engine where a target is missed: one line each, the
+# evidence being the kernels' profiles and same-run A/Bs.
+LIMITS = {
+    "memory_bound": "A one-wave grid pays ~22 µs of fixed cost (the write-back of the "
+    "wipe's dirty lines, the slowest SMs, the combine, each program's prologue), which "
+    "weighs on short grids; no plain read of as many bytes reaches 90% either (column "
+    "\"% of a same-size read\").",
+    "compute_bound": "The tensor cores: the 64-row kernel's tiles run at ~93% of the "
+    "matmul ceiling; past one wave each split adds a start and a float32 partial.",
+    "one_long_request": "The tiles take ~30 µs at ~93% of the matmul ceiling; ~21 µs are "
+    "fixed: the combine (~5.7), the float32 partials' store (~2.7), the first tile's "
+    "arrival (~4.4) and a graph's floor after the wipe (~4.6).",
+    "fp8": "The fp8 16-row kernel is bound by each consumer warpgroup's serial chain per "
+    "tile, not by HBM: the ratio tends to 2 as slices grow, fixed costs set it on short "
+    "grids and past one wave, and it follows the SM clock, which the power cap lowers.",
+    "merge": "HBM bandwidth: both partials read once, the result written once.",
+    "prefill_op": "Equal-length batches run on cuDNN itself; ragged batches and chunked "
+    "context run the Gluon kernel.",
+    "prefill_kernel": "The tensor cores, and at N = 128 reuse through L2: heads are "
+    "launched in groups whose keys and values fit half the L2.",
+    "engine": "Asynchronous scheduling plans and enqueues step n+1 while the device runs "
+    "step n; the host's own work (Python per sequence) adds to a step only where it "
+    "exceeds the device's time.",
+}
