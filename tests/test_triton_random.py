@@ -36,7 +36,7 @@ from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
 from pagedmla.ops import reference as ref
 from pagedmla.routing import PathCostModel
 from pagedmla.testing import make_paged_batch, relative_error
-from tests.test_triton_ops import (
+from tests.triton_helpers import (
     DEVICE,
     FP8,
     TINY_DECODE,
