@@ -125,13 +125,13 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
 def main() -> None:
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
-    from pagedmla.ops.triton import decode, prefill, prefill_hopper
+    from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
     decode.check_device = prefill.check_device = lambda *tensors: None
     decode.multiprocessor_count = lambda device: 132
     prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
-    decode.INTERPRETED = False
+    decode_triton.INTERPRETED = False
     cases = [  # (label, batch, heads, context, fp8, page, gluon)
         ("bf16 16 rows, one wave", 64, 16, 8192, False, 64, True),
         ("bf16 16 rows, persistent runs", 200, 16, 4096, False, 64, True),

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from pagedmla.ops.triton import decode as decode_module
 from pagedmla.ops.triton import mla_decode
 from pagedmla.ops.triton import split_plan as split_plan_module
-from pagedmla.ops.triton.decode import FEW_REQUESTS, DecodeConfig, _page_descriptors
+from pagedmla.ops.triton.decode_triton import FEW_REQUESTS, DecodeConfig, _page_descriptors
 from tests.triton_helpers import (
     FP8,
     TINY_CONFIGS,

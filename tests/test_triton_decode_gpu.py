@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagedmla.ops.triton._utils import GRID_YZ_MAX, cdiv, multiprocessor_count
-from pagedmla.ops.triton.decode import pick_config
+from pagedmla.ops.triton.decode_triton import pick_config
 from pagedmla.ops.triton.split_plan import plan_splits
 from tests.triton_helpers import FP8, _check_decode, _decode_case, _pieces, cuda
 

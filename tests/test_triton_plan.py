@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedmla.ops.triton.decode import DECODE_CONFIGS, DecodeConfig
+from pagedmla.ops.triton.decode_triton import DECODE_CONFIGS, DecodeConfig
 from pagedmla.ops.triton.split_plan import (
     EXTRA_WAVES,
     LONE_WAVE,

@@ -63,7 +63,8 @@ import triton
 
 from pagedmla.ops.triton import mla_decode, varlen_attention
 from pagedmla.ops.triton._utils import INTERPRETED, gluon_builds, multiprocessor_count
-from pagedmla.ops.triton.decode import DecodeConfig, hopper_kernel, pick_config
+from pagedmla.ops.triton.decode import hopper_kernel
+from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
 from pagedmla.ops.triton.split_plan import SplitPlan
 
 HAS_CUDA = torch.cuda.is_available()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
-from pagedmla.ops.triton.decode import merge_partials, mla_decode
+from pagedmla.ops.triton.combine import merge_partials
+from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm

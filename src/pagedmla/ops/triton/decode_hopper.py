@@ -53,7 +53,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton import split_plan
-from pagedmla.ops.triton.decode import tiles_copyable
+from pagedmla.ops.triton.decode_triton import tiles_copyable
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
