@@ -22,7 +22,7 @@ from tests.triton_helpers import _check_varlen, _cu, cuda, hopper, runnable
 def test_packed_blocks_bound_every_cut_of_the_tokens() -> None:
     # The prefill grid (`packed_blocks`) must hold every sequence's query blocks for any
     # cut of T tokens into B sequences of at most max_q; and it is exact where it can be.
-    from pagedmla.ops.triton.prefill import packed_blocks
+    from pagedmla.ops.triton.prefill_triton import packed_blocks
 
     gen = torch.Generator().manual_seed(37)
     for _ in range(2000):
@@ -41,7 +41,7 @@ def test_packed_blocks_bound_every_cut_of_the_tokens() -> None:
 def test_varlen_more_sequences_than_one_lookup_chunk(causal: bool) -> None:
     # 150 sequences, more than the SEQ_CHUNK (128) a program's lookup of its (sequence,
     # block) reads at once, with lengths 0 among them: every packed block finds its own.
-    from pagedmla.ops.triton.prefill import SEQ_CHUNK
+    from pagedmla.ops.triton.prefill_triton import SEQ_CHUNK
 
     gen = torch.Generator().manual_seed(38)
     q_lens = torch.randint(0, 40, (150,), generator=gen).tolist()
@@ -74,11 +74,11 @@ def test_prefill_selection(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                            on_cudnn: bool) -> None:
     # The backend's prefill op: cuDNN for equal-length batches, else the Triton kernel;
     # both against the reference, with the path taken checked.
-    from pagedmla.ops.triton import prefill_select
+    from pagedmla.ops.triton import prefill_cudnn
 
     calls: list[int] = []
-    dense = prefill_select._cudnn_dense
-    monkeypatch.setattr(prefill_select, "_cudnn_dense",
+    dense = prefill_cudnn.dense_attention
+    monkeypatch.setattr(prefill_cudnn, "dense_attention",
                         lambda *a: calls.append(1) or dense(*a))
     _check_varlen(q_lens, k_lens, 16, 192, 128, dtype, causal, seed=135, device="cuda",
                   fn=prefill_attention)
@@ -89,7 +89,7 @@ def test_prefill_selection(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
 def test_prefill_selection_falls_back_when_cudnn_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     # A cuDNN refusal (RuntimeError) sends the call, and later calls of the same kind,
     # to the Triton kernel; the answer stays right.
-    from pagedmla.ops.triton import prefill_select
+    from pagedmla.ops.triton import prefill_cudnn
 
     calls: list[int] = []
 
@@ -97,12 +97,12 @@ def test_prefill_selection_falls_back_when_cudnn_refuses(monkeypatch: pytest.Mon
         calls.append(1)
         raise RuntimeError("unsupported")
 
-    monkeypatch.setattr(prefill_select, "_cudnn_dense", refuse)
-    monkeypatch.setattr(prefill_select, "_REFUSED", set())
+    monkeypatch.setattr(prefill_cudnn, "dense_attention", refuse)
+    monkeypatch.setattr(prefill_cudnn, "_REFUSED", set())
     for seed in (136, 137):
         _check_varlen([64, 64], [64, 64], 4, 192, 128, torch.bfloat16, True, seed=seed,
                       device="cuda", fn=prefill_attention)
-    assert len(calls) == 1 and len(prefill_select._REFUSED) == 1
+    assert len(calls) == 1 and len(prefill_cudnn._REFUSED) == 1
 
 
 @runnable

@@ -1,9 +1,8 @@
 """The Triton backend: one kernel file per op, assembled into a `Backend`.
 
-Prefill attention goes through `prefill_select`, which hands batches of equal-length
-sequences to cuDNN (faster there) and everything else to our kernels;
-`varlen_attention` is ours (the Gluon kernel of `prefill_hopper` on Hopper GPUs, the
-Triton kernel elsewhere).
+Prefill attention (`prefill_attention`) hands batches of equal-length sequences to
+cuDNN (faster there) and everything else to our kernels; `varlen_attention` is ours
+(the Gluon kernel of `prefill_hopper` on Hopper GPUs, the Triton kernel elsewhere).
 
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
@@ -18,8 +17,7 @@ from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
-from pagedmla.ops.triton.prefill import varlen_attention
-from pagedmla.ops.triton.prefill_select import varlen_attention as prefill_attention
+from pagedmla.ops.triton.prefill import prefill_attention, varlen_attention
 from pagedmla.ops.triton.rope import rotary
 
 TRITON_BACKEND = Backend(

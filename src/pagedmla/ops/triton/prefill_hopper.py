@@ -46,7 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.ops.triton._utils import l2_cache_bytes, next_pow2
 from pagedmla.ops.triton.decode_hopper import box_layout
-from pagedmla.ops.triton.prefill import SEQ_CHUNK, packed_blocks
+from pagedmla.ops.triton.prefill_triton import SEQ_CHUNK, packed_blocks
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 STAGES = 2  # key tiles in flight

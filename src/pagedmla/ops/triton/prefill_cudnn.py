@@ -1,6 +1,4 @@
-"""Prefill attention of the triton backend: cuDNN's fused attention where it applies,
-our kernels (`prefill.varlen_attention`: the Gluon one on Hopper, else the Triton one)
-everywhere else.
+"""cuDNN's fused attention for prefill batches of equal-length sequences.
 
 Why: on an H200, PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) up to
 1.1x faster than our Gluon kernel (1.1-1.4x than the Triton one) and returns the
@@ -19,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.ops.triton.prefill import varlen_attention as triton_varlen_attention
-
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 # Input kinds cuDNN refused once (see `_kind`): not asked again.
 _REFUSED: set[tuple] = set()
@@ -32,7 +28,7 @@ def _kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (q.dtype, q.shape[-1], v.shape[-1], q.stride(), k.stride(), v.stride())
 
 
-def _takes_cudnn(
+def supports(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, causal: bool,
 ) -> bool:
@@ -54,7 +50,12 @@ def _takes_cudnn(
     )
 
 
-def _cudnn_dense(
+def refuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Remember that cuDNN refused inputs of this kind (`supports` then declines them)."""
+    _REFUSED.add(_kind(q, k, v))
+
+
+def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,29 +72,3 @@ def _cudnn_dense(
     out = out.transpose(1, 2).reshape(q.shape[0], num_heads, v.shape[-1])
     lse = lse.reshape(num_seqs, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
     return out, lse
-
-
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `prefill.varlen_attention` (q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv];
-    returns out [Tq, N, Dv] and lse [N, Tq] float32), on cuDNN when every sequence has
-    the same lengths (see the module docstring), else on our kernels."""
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if _takes_cudnn(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        try:
-            return _cudnn_dense(q, k, v, num_seqs, softmax_scale, causal)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # a head dim or layout this cuDNN build does not take
-            _REFUSED.add(_kind(q, k, v))
-    return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, softmax_scale, causal)
