@@ -20,13 +20,11 @@ was found); a path that does not build is reported as such.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
 import tempfile
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -84,10 +82,12 @@ def ptxas_report(kernel: Any) -> tuple[int, int]:
     return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
 
 
-def _gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...]:
-    """`_utils.gluon_modules` as on an H200 with the Triton it was written for, for CPU
-    tensors: the modules, whatever the device and Triton release."""
-    return tuple(importlib.import_module(f"pagedmla.ops.triton.{name}") for name in names)
+def _platform(gluon: bool) -> Callable[[torch.device], Any]:
+    """`_utils.device_platform` for CPU tensors as on an H200 with the Triton the Gluon
+    kernels are written for (gluon), or as on a GPU that runs only the Triton kernels."""
+    from pagedmla.ops.triton._utils import Platform
+
+    return lambda device: Platform(cudnn=False, hopper=gluon, gluon=gluon)
 
 
 def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
@@ -95,9 +95,9 @@ def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
     """Build `mla_decode`'s kernels for a batch of `batch` requests of `context`
     positions each, N = heads, DeepSeek widths; gluon=False takes the Triton kernel."""
     from pagedmla.cache import FP8_DTYPE
-    from pagedmla.ops.triton import decode
+    from pagedmla.ops.triton import decode, selection
 
-    decode.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
+    selection.device_platform = _platform(gluon)
     L, R = 512, 64
     blocks = batch * (context // page + 2)
     data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
@@ -113,9 +113,9 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
                     ) -> None:
     """Build `prefill.varlen_attention`'s kernel for one causal sequence of `tokens`
     tokens, N = heads; gluon=False takes the Triton kernel."""
-    from pagedmla.ops.triton import prefill
+    from pagedmla.ops.triton import prefill, selection
 
-    prefill.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
+    selection.device_platform = _platform(gluon)
     q = torch.zeros(tokens, heads, qk_dim, dtype=torch.bfloat16)
     v = torch.zeros(tokens, heads, v_dim, dtype=torch.bfloat16)
     cu = torch.tensor([0, tokens], dtype=torch.int32)

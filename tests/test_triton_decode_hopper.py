@@ -5,7 +5,6 @@ portable Triton kernel.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -20,8 +19,13 @@ import triton
 
 from pagedmla.ops.triton import _utils, mla_decode
 from pagedmla.ops.triton import split_plan as split_plan_module
-from pagedmla.ops.triton._utils import gluon_builds, gluon_modules, multiprocessor_count
-from pagedmla.ops.triton.decode import hopper_kernel
+from pagedmla.ops.triton._utils import (
+    Platform,
+    device_platform,
+    gluon_builds,
+    multiprocessor_count,
+)
+from pagedmla.ops.triton.selection import decode_kernel
 from tests.triton_helpers import (
     FP8,
     LSE_ATOL,
@@ -47,7 +51,7 @@ def test_hopper_kernels_only_take_cuda_tensors(num_rows: int) -> None:
     data = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     module = decode_hopper if num_rows <= 16 else decode_hopper_heads
     assert module.supported(q, data, num_rows, 512)
-    assert hopper_kernel(q, data, num_rows, 512) is None
+    assert decode_kernel(q, data, num_rows, 512).name == "decode_triton"
 
 
 @pytest.mark.parametrize(
@@ -82,16 +86,13 @@ def test_hopper_kernel_choice(q_dtype: torch.dtype, cache: torch.dtype, page: in
     # 64-row one above; 16-bit q; a cache of q's dtype or fp8; pages the copies can
     # fill tiles from (a multiple of 8 rows), except fp8 in the 64-row kernel, whose
     # widener loads rows of any page.
-    # `decode.hopper_kernel` takes the first of its modules that supports the call: the
+    # The decode table (`selection`) takes its first entry that supports the call: the
     # e4m3-product kernel for an fp8 cache up to 32 rows.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8, decode_hopper_heads
-
     q = torch.zeros(1, num_rows, L + 64, dtype=q_dtype)
     data = torch.zeros(3, page, L + 64).to(cache)
-    chosen = next((m for m in (decode_hopper_fp8, decode_hopper, decode_hopper_heads)
-                   if m.supported(q, data, num_rows, L)), None)
-    rows16 = decode_hopper_fp8 if cache == FP8 else decode_hopper
-    assert chosen is {None: None, "16": rows16, "64": decode_hopper_heads}[takes]
+    chosen = decode_kernel(q, data, num_rows, L, platform=Platform(True, True, True)).name
+    rows16 = "decode_hopper_fp8" if cache == FP8 else "decode_hopper"
+    assert chosen == {None: "decode_triton", "16": rows16, "64": "decode_hopper_heads"}[takes]
 
 
 @pytest.mark.parametrize(
@@ -147,14 +148,12 @@ def test_decode_gpu_hopper_kernel(cache: str, block_size: int, q_lens: list[int]
     # lengths of one tile exactly, one past it, partial last tiles (NaN slots after
     # them), multi-token rows; direct output, forced splits and the planner's. It must
     # match the reference and the Triton kernel of the same config.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8
-
     seq_lens = [max(q_lens), 65, 64, 1000, 4097, 333]
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
                         cache_dtype, seed=800 + block_size + num_heads)
-    kernel = decode_hopper_fp8 if cache == "fp8" else decode_hopper
-    assert hopper_kernel(args[0], args[1], num_heads * max(q_lens), 512) is kernel
+    kernel = "decode_hopper_fp8" if cache == "fp8" else "decode_hopper"
+    assert decode_kernel(args[0], args[1], num_heads * max(q_lens), 512).name == kernel
     _check_hopper_decode(args, num_heads * max(q_lens), cache == "fp8", num_splits)
 
 
@@ -168,22 +167,20 @@ def test_gluon_kernels_only_with_their_triton_release(monkeypatch: pytest.Monkey
     assert gluon_builds(f"{major}.{minor}.0") and gluon_builds(f"{major}.{minor}.1+git5d9c6c3")
     for other in ("3.5.1", "3.7.0", "3.8.0", "3.9.0", "3.10.0", "4.6.0"):
         assert not gluon_builds(other)
-    from pagedmla.ops.triton import split_plan
-
     hopper_gpu = torch.device("cuda", 0)
     monkeypatch.setattr(_utils, "INTERPRETED", False)
     monkeypatch.setattr(_utils, "is_hopper", lambda device: True)
-    gluon_modules.cache_clear()
+    device_platform.cache_clear()
     _utils._warn_no_gluon.cache_clear()
     try:
         monkeypatch.setattr(triton, "__version__", "3.9.0")
         with pytest.warns(RuntimeWarning, match=r"Triton 3\.9\.0 is installed"):
-            assert gluon_modules(hopper_gpu, "split_plan") is None
+            assert not device_platform(hopper_gpu).runs_gluon
         monkeypatch.setattr(triton, "__version__", f"{major}.{minor}.0")
-        gluon_modules.cache_clear()  # (the answer is kept per device and names)
-        assert gluon_modules(hopper_gpu, "split_plan") == (split_plan,)
+        device_platform.cache_clear()  # (the answer is kept per device)
+        assert device_platform(hopper_gpu).runs_gluon
     finally:
-        gluon_modules.cache_clear()
+        device_platform.cache_clear()
 
 
 @pytest.mark.cuda
@@ -207,7 +204,7 @@ def test_decode_gpu_hopper_fp8_two_head_groups(block_size: int, q_lens: list[int
                         FP8, seed=870 + block_size + num_heads)
     num_rows = num_heads * max(q_lens)
     assert 16 < num_rows <= decode_hopper_fp8.MAX_ROWS
-    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_fp8
+    assert decode_kernel(args[0], args[1], num_rows, 512).name == "decode_hopper_fp8"
     _check_hopper_decode(args, num_rows, True, num_splits)
 
 
@@ -220,11 +217,9 @@ def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len
                                       num_heads: int) -> None:
     # The 16-row kernel on a batch past one wave: programs run several pieces each, the
     # ring going on from one piece to the next, q reloaded per piece.
-    from pagedmla.ops.triton import decode_hopper
-
     args = _persistent_case(num_heads, q_len, 512, block_size, dtype, 40, 4097,
                             seed=950 + block_size)
-    assert hopper_kernel(args[0], args[1], num_heads * q_len, 512) is decode_hopper
+    assert decode_kernel(args[0], args[1], num_heads * q_len, 512).name == "decode_hopper"
     plans: dict = {}
     _check_decode(args, torch.bfloat16, plans=plans)
     (plan,) = plans.values()
@@ -247,7 +242,6 @@ def test_decode_gpu_hopper_even_plan(kernel: str, num_heads: int, q_len: int, ca
     # pieces of unequal size, their rows longest first and their partials at their
     # indices, not their rows'. The 64-row kernel's wave is half as many requests (two
     # head groups at N = 128; q_len 2 x N 64).
-    module = importlib.import_module(f"pagedmla.ops.triton.{kernel}")
     monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)
     sms = multiprocessor_count(torch.device("cuda"))
     extra = 40 if num_heads * q_len <= 32 else 40 - sms // 2
@@ -258,7 +252,7 @@ def test_decode_gpu_hopper_even_plan(kernel: str, num_heads: int, q_len: int, ca
         args = (args[0], (args[1].float() / 2).to(FP8), torch.tensor(2.0, device="cuda"),
                 *args[3:])
     num_rows = num_heads * q_len
-    assert hopper_kernel(args[0], args[1], num_rows, 512) is module
+    assert decode_kernel(args[0], args[1], num_rows, 512).name == kernel
     plans: dict = {}
     _check_decode(args, torch.bfloat16, plans=plans)
     (plan,) = plans.values()
@@ -282,13 +276,11 @@ def test_decode_gpu_hopper_heads_kernel(dtype: torch.dtype, block_size: int,
     # (N = 64), rows past N * q_len in the last group (N = 40, q_len 3 x N 16, and 32
     # rows of the rows32 config), rows of several tokens with their own causal limits;
     # lengths of one tile, one past it, and partial tiles followed by NaN slots.
-    from pagedmla.ops.triton import decode_hopper_heads
-
     seq_lens = [max(q_lens), 65, 64, 1000, 4097]
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, dtype, dtype,
                         seed=900 + block_size + num_heads)
     num_rows = num_heads * max(q_lens)
-    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_heads
+    assert decode_kernel(args[0], args[1], num_rows, 512).name == "decode_hopper_heads"
     _check_hopper_decode(args, num_rows, False, num_splits)
 
 
@@ -306,13 +298,11 @@ def test_decode_gpu_hopper_heads_kernel_fp8(block_size: int, q_lens: list[int],
     # widened by the producer warpgroup (rows past the slice end zeroed there, NaN
     # slots after them), any page size: 1 and 16 (several pages per tile, L2 requests
     # of 16 rows or none), 32 and 48 (tiles across pages), 128.
-    from pagedmla.ops.triton import decode_hopper_heads
-
     seq_lens = [max(q_lens), 33, 64, 1000, 4097]
     args = _decode_case(q_lens, seq_lens, num_heads, 512, 64, block_size, torch.bfloat16,
                         FP8, seed=950 + block_size + num_heads)
     num_rows = num_heads * max(q_lens)
-    assert hopper_kernel(args[0], args[1], num_rows, 512) is decode_hopper_heads
+    assert decode_kernel(args[0], args[1], num_rows, 512).name == "decode_hopper_heads"
     _check_hopper_decode(args, num_rows, True, num_splits)
 
 
@@ -326,8 +316,6 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
     # signs, +-448) and expect each exactly (e4m3 values are exact in bf16 and fp16;
     # compared as values: -0 comes back as +0 from the accumulator). 16 heads: the
     # 16-row kernel; 128: the 64-row one.
-    from pagedmla.ops.triton import decode_hopper_fp8, decode_hopper_heads
-
     L, R, page = 512, 64, 64
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     finite = codes[codes.float().isfinite()]
@@ -339,8 +327,8 @@ def test_decode_gpu_hopper_fp8_widening_is_exact(dtype: torch.dtype, num_heads: 
             torch.tensor([[1]], dtype=torch.int32, device="cuda"),
             torch.tensor([1], dtype=torch.int32, device="cuda"),
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), 1, 1, L, (L + R) ** -0.5)
-    kernel = decode_hopper_fp8 if num_heads == 16 else decode_hopper_heads
-    assert hopper_kernel(q, data, num_heads, L) is kernel
+    kernel = "decode_hopper_fp8" if num_heads == 16 else "decode_hopper_heads"
+    assert decode_kernel(q, data, num_heads, L).name == kernel
     out = mla_decode(*args)[0]
     want = row[:L].float().cuda().expand(num_heads, L)
     assert torch.equal(out[0].float(), want)
@@ -358,8 +346,6 @@ def test_decode_gpu_hopper_fp8_products_keep_q(dtype: torch.dtype) -> None:
     # of the float64 reference, and lse within 2^-8 of it relative to its size (the
     # scores' own error; an e4m3 cache entry is itself only within 2^-4 of the value
     # it stores).
-    from pagedmla.ops.triton import decode_hopper_fp8
-
     args = list(_decode_case([1, 1, 1], [700, 4097, 64], 16, 512, 64, 64, dtype, FP8,
                              seed=951))
     gen = torch.Generator().manual_seed(952)
@@ -369,7 +355,7 @@ def test_decode_gpu_hopper_fp8_products_keep_q(dtype: torch.dtype) -> None:
     q = args[0].float().cpu() * spread * torch.exp2(row_exp)[None, :, None]
     q[:, 3] *= 4096 / q[:, 3].abs().amax()  # large scores: a near-one-hot softmax
     args[0] = q.to(args[0].device, dtype)
-    assert hopper_kernel(args[0], args[1], 16, 512) is decode_hopper_fp8
+    assert decode_kernel(args[0], args[1], 16, 512).name == "decode_hopper_fp8"
     want_out, want_lse = ref.mla_decode(*args)
     assert want_lse[3].abs().min() > 100
     for num_splits in (1, None):
@@ -385,8 +371,6 @@ def test_decode_gpu_hopper_heads_fp8_scattered_pages() -> None:
     # The fp8 64-row kernel on every other block of a bigger cache (NaN in the blocks
     # between): pages not adjacent in rows, which the 16-bit path's bulk copies cannot
     # take; the fp8 widener addresses each page through its stride.
-    from pagedmla.ops.triton import decode_hopper_heads
-
     args = list(_decode_case([1] * 4, [1, 65, 1000, 4097], 128, 512, 64, 16, torch.bfloat16,
                              FP8, seed=995))
     data = args[1]
@@ -394,7 +378,7 @@ def test_decode_gpu_hopper_heads_fp8_scattered_pages() -> None:
     spread = spread.to(FP8)
     spread[::2] = data
     args[1] = spread[::2]
-    assert hopper_kernel(args[0], args[1], 128, 512) is decode_hopper_heads
+    assert decode_kernel(args[0], args[1], 128, 512).name == "decode_hopper_heads"
     _check_hopper_decode(tuple(args), 128, True, None)
 
 
@@ -406,8 +390,6 @@ def test_decode_gpu_hopper_padded_rows(cache: str, num_heads: int) -> None:
     # The Gluon kernels on a cache whose rows are padded to 640 columns, NaN in the
     # padding: the bulk copies (16-bit) and the fp8 widener's row loads follow the row
     # stride. 16 heads: the 16-row kernel; 128: the 64-row one.
-    from pagedmla.ops.triton import decode_hopper, decode_hopper_fp8, decode_hopper_heads
-
     cache_dtype = FP8 if cache == "fp8" else torch.bfloat16
     args = list(_decode_case([1] * 4, [1, 65, 1000, 4097], num_heads, 512, 64, 64,
                              torch.bfloat16, cache_dtype, seed=990 + num_heads))
@@ -415,7 +397,7 @@ def test_decode_gpu_hopper_padded_rows(cache: str, num_heads: int) -> None:
     wide = torch.full((*data.shape[:2], 640), math.nan, device="cuda").to(cache_dtype)
     wide[..., :data.shape[2]] = data
     args[1] = wide[..., :data.shape[2]]
-    rows16 = decode_hopper_fp8 if cache == "fp8" else decode_hopper
-    kernel = rows16 if num_heads == 16 else decode_hopper_heads
-    assert hopper_kernel(args[0], args[1], num_heads, 512) is kernel
+    rows16 = "decode_hopper_fp8" if cache == "fp8" else "decode_hopper"
+    kernel = rows16 if num_heads == 16 else "decode_hopper_heads"
+    assert decode_kernel(args[0], args[1], num_heads, 512).name == kernel
     _check_hopper_decode(tuple(args), num_heads, cache == "fp8", None)

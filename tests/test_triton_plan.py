@@ -4,7 +4,6 @@ choices follow the rule its module docstring states, worked out here in Python.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 from dataclasses import replace
@@ -14,7 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagedmla.ops.triton._utils import Platform
 from pagedmla.ops.triton.decode_triton import DECODE_CONFIGS, DecodeConfig
+from pagedmla.ops.triton.selection import DecodeKernel, decode_kernels
 from pagedmla.ops.triton.split_plan import (
     EXTRA_WAVES,
     LONE_WAVE,
@@ -87,6 +88,12 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     return plan, work[:taken]
 
 
+def _decode_entry(name: str) -> DecodeKernel:
+    """The decode table's entry `name`, as on a Hopper GPU that runs the Gluon kernels."""
+    table = decode_kernels(Platform(cudnn=True, hopper=True, gluon=True), TINY_DECODE, 16)
+    return next(entry for entry in table if entry.name == name)
+
+
 def _tiles(piece: list[int], block_n: int) -> int:
     return -(-(piece[2] - piece[1]) // block_n)
 
@@ -118,10 +125,8 @@ def test_split_plan_uniform_batches() -> None:
     # whole request and 4 tiles of the next, their pieces a program each, longest first
     # (140 x 4k on an H200: 148.8 us whole, 122.0 in three waves of 2 or 3 pieces per
     # request, 106.6 so; session 41).
-    from pagedmla.ops.triton import decode_hopper_fp8
-
-    fp8 = {"past_overhead": decode_hopper_fp8.PAST_WAVE_TILES,
-           "lone_wave": decode_hopper_fp8.LONE_WAVE}
+    fp8_kernel = _decode_entry("decode_hopper_fp8")
+    fp8 = {"past_overhead": fp8_kernel.past_wave_tiles, "lone_wave": fp8_kernel.tail_wave}
     plan, work = _plan([4096] * 140, 1, 132, cfg16, **fp8)
     assert plan.programs == 140 + EXTRA_WAVES * 132
     assert len(work) == 263 and [_tiles(w, 64) for w in work[:9]] == [64] * 9
@@ -268,8 +273,8 @@ def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
     # with graph padding rows), then fresh random ones (1-300 requests, 0-200k
     # positions, 1-2 head groups); under each stage-1 kernel's prices past a wave (a
     # piece's start, a last partial wave). The seed is printed.
-    module = importlib.import_module(f"pagedmla.ops.triton.{kernel}")
-    prices = (module.PAST_WAVE_TILES, module.LONE_WAVE)
+    entry = _decode_entry(kernel)
+    prices = (entry.past_wave_tiles, entry.tail_wave)
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from pagedmla.ops.triton import prefill_attention, varlen_attention
 from pagedmla.ops.triton._utils import cdiv
+from pagedmla.ops.triton.selection import prefill_kernel
 from tests.triton_helpers import _check_varlen, _cu, cuda, hopper, runnable
 
 
@@ -180,7 +181,6 @@ def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, head
     # Which calls the Gluon prefill kernel takes on a Hopper GPU, from the tensors alone,
     # and that the dispatcher never hands it CPU tensors.
     from pagedmla.ops.triton import prefill_hopper
-    from pagedmla.ops.triton.prefill import hopper_kernel as prefill_kernel
 
     pad = 4 if view == "odd-stride" else 0
     q = torch.zeros(5, heads, qk, dtype=dtype)
@@ -191,7 +191,7 @@ def test_prefill_hopper_kernel_choice(dtype: torch.dtype, qk: int, dv: int, head
     assert prefill_hopper.supported(q, k, v, 0.1) is takes
     assert not prefill_hopper.supported(q, k, v, 0.0)
     assert not prefill_hopper.supported(q, k, v, -0.1)
-    assert prefill_kernel(q, k, v, 0.1) is None
+    assert prefill_kernel(q, k, v, 1, 5, 7, 0.1, True).name == "prefill_triton"
 
 
 @pytest.mark.cuda
@@ -205,14 +205,13 @@ def test_varlen_gpu_hopper_kernel(qk: int, dv: int, dtype: torch.dtype, causal: 
     # The warp-specialized prefill kernel: lengths 0 and 1, one tile exactly, one past
     # it, several tiles with a partial last one; query blocks of 128 rows spilling into
     # the next sequence; unmasked context with more or fewer keys than queries.
-    from pagedmla.ops.triton import prefill_hopper
-    from pagedmla.ops.triton.prefill import hopper_kernel as prefill_kernel
-
     q_lens = [0, 1, 128, 129, 64, 700]
     k_lens = q_lens if causal else [5, 0, 300, 129, 1000, 77]
     q = torch.empty(1, num_heads, qk, dtype=dtype, device="cuda")
     kv = torch.empty(1, num_heads, qk + dv, dtype=dtype, device="cuda")
-    assert prefill_kernel(q, kv[..., :qk], kv[..., qk:], qk**-0.5) is prefill_hopper
+    chosen = prefill_kernel(q, kv[..., :qk], kv[..., qk:], len(q_lens), max(q_lens),
+                            max(k_lens), qk**-0.5, causal, cudnn=False)
+    assert chosen.name == "prefill_hopper"
     _check_varlen(q_lens, k_lens, num_heads, qk, dv, dtype, causal, seed=510 + qk + dv,
                   device="cuda")
 

@@ -63,8 +63,8 @@ import triton
 
 from pagedmla.ops.triton import mla_decode, varlen_attention
 from pagedmla.ops.triton._utils import INTERPRETED, gluon_builds, multiprocessor_count
-from pagedmla.ops.triton.decode import hopper_kernel
 from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
+from pagedmla.ops.triton.selection import decode_kernel
 from pagedmla.ops.triton.split_plan import SplitPlan
 
 HAS_CUDA = torch.cuda.is_available()
@@ -161,9 +161,8 @@ def _decode_case(
 def _e4m3_products(args, config: DecodeConfig | None) -> bool:
     """Whether mla_decode(*args, config=config) runs the fp8 16-row kernel."""
     q, data = args[0], args[1]
-    kernel = (hopper_kernel(q, data, q.shape[1] * args[6], args[8])
-              if config is None or config.hopper else None)
-    return kernel is not None and kernel.__name__.endswith(".decode_hopper_fp8")
+    return (config is None
+            and decode_kernel(q, data, q.shape[1] * args[6], args[8]).name == "decode_hopper_fp8")
 
 
 def _check_decode(args, dtype: torch.dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,9 +241,9 @@ def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
     same config."""
     _check_decode(args, torch.bfloat16, num_splits=num_splits)
     config = pick_config(num_rows, args[0].dtype, is_fp8)
-    assert config.hopper
+    assert decode_kernel(args[0], args[1], num_rows, args[8]).gluon
     ours = mla_decode(*args, num_splits=num_splits)
-    theirs = mla_decode(*args, num_splits=num_splits, config=replace(config, hopper=False))
+    theirs = mla_decode(*args, num_splits=num_splits, config=config)
     assert relative_error(ours[0], theirs[0].double()) < 1e-2
     lse_atol = E4M3_PRODUCTS_LSE_ATOL if _e4m3_products(args, None) else 2e-3
     torch.testing.assert_close(ours[1], theirs[1], atol=lse_atol, rtol=1e-5)

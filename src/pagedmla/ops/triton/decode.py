@@ -21,35 +21,21 @@ skips it.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from pagedmla.cache import FP8_DTYPE
-from pagedmla.ops.triton import combine, decode_triton
+from pagedmla.ops.triton import combine
 from pagedmla.ops.triton._utils import (
     GRID_YZ_MAX,
     cdiv,
     check_device,
-    gluon_modules,
     last_dim_contiguous,
     multiprocessor_count,
-    next_pow2,
 )
 from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
-from pagedmla.ops.triton.split_plan import LONE_WAVE, plan_splits
+from pagedmla.ops.triton.selection import decode_kernel, triton_decode_kernel
+from pagedmla.ops.triton.split_plan import plan_splits
 from pagedmla.validation import positive_finite
-
-
-def hopper_kernel(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int):
-    """The Gluon module whose warp-specialized stage 1 takes this call on a Hopper GPU:
-    `decode_hopper_fp8` for an fp8 cache and at most 32 query rows per request,
-    `decode_hopper` for at most 16 (16-bit cache), `decode_hopper_heads` for more; None
-    where none supports it (and always off Hopper, under the interpreter, or where
-    Triton lacks Gluon)."""
-    modules = gluon_modules(q.device, "decode_hopper_fp8", "decode_hopper",
-                            "decode_hopper_heads") or ()
-    return next((m for m in modules if m.supported(q, data, num_rows, L)), None)
 
 
 def mla_decode(
@@ -83,9 +69,10 @@ def mla_decode(
     the device from seq_lens (`split_plan`); `plans`, a dict the caller keeps for calls
     on the same seq_lens contents (the layers of one forward), holds it so that it is
     made once; a CUDA graph captured with the plan already in `plans` reads the plan's
-    tensors at every replay, so the dict must outlive the graph. num_splits (pieces of
-    the longest request) / config override the plan and the kernel config (tuning,
-    tests).
+    tensors at every replay, so the dict must outlive the graph. Stage 1 is the first
+    kernel of the decode table (`selection`) that supports the call; `config` runs the
+    portable Triton kernel with those launch parameters instead, and num_splits (pieces
+    of the longest request) overrides the plan (tuning, tests).
     """
     check_device(q, data)
     # (Positive: the 64-row kernel scales row maxima.)
@@ -109,23 +96,19 @@ def mla_decode(
 
     # Query rows per request (token x N + head): what stage 1's programs split in groups.
     rows_per_req = num_heads * max_query_len
+    # The regime's config bounds the split plan whichever kernel runs; `config` runs the
+    # portable kernel with it.
     cfg = config or pick_config(rows_per_req, q.dtype, is_fp8)
-    hopper = hopper_kernel(q, data, rows_per_req, L) if cfg.hopper else None
-    if hopper is not None:
-        block_h = hopper.BLOCK_H
-    else:
-        block_h = min(cfg.block_h, max(16, next_pow2(rows_per_req)))
-    cfg = replace(cfg, block_h=block_h)
-    # Pieces are whole tiles of the kernel that runs (the Gluon kernels' are 64).
-    block_n = hopper.BLOCK_N if hopper is not None else cfg.block_n
+    kernel = (triton_decode_kernel(config, rows_per_req) if config is not None
+              else decode_kernel(q, data, rows_per_req, L, cfg))
+    # Splits are whole tiles of the kernel that runs.
+    block_h, block_n = kernel.block_h, kernel.block_n
     head_groups = cdiv(rows_per_req, block_h)
     num_sms = multiprocessor_count(q.device)
     slots = num_sms * cfg.programs_per_sm
     min_chunk = cfg.min_chunk_for(num_reqs)
-    # Stage 1 runs several pieces per program but in the Gluon kernels that do not.
-    persistent = hopper is None or hopper.PERSISTENT
-    past_tiles, lone_wave = ((0, LONE_WAVE) if hopper is None
-                             else (hopper.PAST_WAVE_TILES, hopper.LONE_WAVE))
+    persistent = kernel.persistent
+    past_tiles, lone_wave = kernel.past_wave_tiles, kernel.tail_wave
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
            min_chunk, block_h, num_splits, persistent, past_tiles, lone_wave)
     plan = plans.get(key) if plans is not None else None
@@ -146,17 +129,12 @@ def mla_decode(
                             device=q.device) if cut else out)
     part_lse = (torch.empty(max_query_len, num_heads, plan.rows, dtype=torch.float32,
                             device=q.device) if cut else lse)
-    if hopper is not None:
-        hopper.decode_partial(
-            q, data, scale, block_table, plan, out, lse, part_out, part_lse,
-            head_groups, softmax_scale, L)
-    else:
-        decode_triton.decode_partial(q, data, scale, block_table, plan, out, lse, part_out,
-                                     part_lse, head_groups, softmax_scale, L, cfg)
+    kernel.launch(q, data, scale, block_table, plan, out, lse, part_out, part_lse,
+                  head_groups, softmax_scale, L)
     if not cut:
         return out, lse
-    # The Gluon kernels let the combine launch once their tiles are done (programmatic
-    # dependent launch); it waits for stage 1 before reading the partials.
+    # A kernel with pdl lets the combine launch once its tiles are done (programmatic
+    # dependent launch); the combine waits for stage 1 before reading the partials.
     combine.combine_splits(part_out, part_lse, plan, out, lse, rows_per_req, L, num_sms,
-                           pdl=hopper is not None)
+                           pdl=kernel.pdl)
     return out, lse

@@ -52,28 +52,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
-from pagedmla.ops.triton import split_plan
-from pagedmla.ops.triton.decode_triton import tiles_copyable
+from pagedmla.ops.triton._utils import tiles_copyable
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
 BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB)
-PERSISTENT = True  # a program runs several pieces of a persistent plan (`split_plan`)
-# A piece's cost past one wave (`split_plan`): none. There this kernel chooses between
-# whole requests and the persistent plan, and a cost per piece would only price whole
-# requests higher (with 2 tiles 256 x 4k would go persistent, 3.6% slower; session 37).
-PAST_WAVE_TILES = 0
-# A last partial wave's price past one wave (`split_plan`): this kernel is memory-bound.
-LONE_WAVE = split_plan.LONE_WAVE
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
-    checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
+    `selection` checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
     dtype, at most BLOCK_H query rows per request, and pages the copy engine can read
     (`pages_copyable`)."""
     return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
@@ -562,8 +554,8 @@ def decode_partial(
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
-    plan.programs), the pieces of the split plan (PERSISTENT: several per program in a
-    persistent plan).
+    plan.programs), the pieces of the split plan (several per program in a persistent
+    plan).
 
     q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
     requests in one piece, part_out [.., plan.rows, L] and part_lse float32 for the

@@ -85,19 +85,6 @@ MAX_ROWS = 2 * BLOCK_H  # query rows per request: two head groups (the module do
 # Ring buffers of 36 KB: with q's terms, P and the second consumer's state, 204 KB, one
 # program per SM.
 STAGES = 4
-PERSISTENT = False  # one piece per program (`split_plan`)
-# A piece's cost past one wave of requests, in tiles, and a last partial wave's there,
-# as a fraction of a full one (`split_plan`). Bound by its consumers' chains, this kernel
-# pays a piece's start where the memory-bound kernels' other programs hide it (about
-# 5 us), and its programs in a partial wave run hardly faster than in a full one (whole
-# requests, session 38: 200 x 4k 158.0 us, 256 x 4k 164.6, so a second wave of 68
-# programs cost ~0.92 of one of 124). H200, N = 16, against 2 tiles and 0.6 (session
-# 40): 1.4-7.7% faster on 8 of 28 batches past one wave (300 x 4k 227.6 -> 212.4 us,
-# 170 x 1088 59.7 -> 55.8, 160 lognormal 103.6 -> 95.6), 2.2% slower on 133 in 1k-2k,
-# 1.8% at N = 32, 70 x 8k. 3 tiles, 0.8 or 1.0 lost some of those gains; 5 tiles
-# matched 4.
-PAST_WAVE_TILES = 4
-LONE_WAVE = 0.9
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
 # value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
 Q_TOP = gl.constexpr(224.0)
@@ -524,7 +511,7 @@ def decode_partial(
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`,
-    one piece per program: not PERSISTENT)."""
+    one piece per program)."""
     latent_desc, rope_desc = page_descriptors(data, L)
     _decode_fp8_kernel[(head_groups, plan.programs)](
         q, latent_desc, rope_desc, scale, block_table, plan.work, out, lse, part_out,

@@ -71,18 +71,6 @@ from pagedmla.ops.triton.split_plan import SplitPlan
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
-PERSISTENT = False  # one piece per program (`split_plan`)
-# A piece's cost past one wave of requests, in tiles (`split_plan`): none. Two made the
-# plan cut 70 x 8k at N = 128 in 198 pieces instead of 264: bf16 as fast, fp8 4.6%
-# slower (H200, session 39).
-PAST_WAVE_TILES = 0
-# A last partial wave's price past one wave, as a fraction of a full one (`split_plan`).
-# Bound by the tensor cores at N = 128, a partial wave's programs run hardly faster than
-# a full wave's. H200, N = 128, B = 67-112 x 4k and 8k (session 40), against 0.6: 80,
-# 88 and 96 x 4k 5-7% faster (80 x 4k bf16 384 -> 414 TFLOP/s), 88 x 8k 7%, fp8 80 x 4k
-# and 100 x 8k 8-10%, none slower beyond the runs' spread; 1.0 cut 100 x 4k in 132
-# pieces, 2% slower than whole requests.
-LONE_WAVE = 0.9
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
@@ -114,8 +102,8 @@ def _fp8_exponents(dtype: torch.dtype | None) -> dict[str, int]:
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
-    checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
+    `selection` checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and a cache layout the
     tiles can come from: pages the copy engine reads (16-bit,
     `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
@@ -472,7 +460,7 @@ def decode_partial(
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, plan.programs),
     head_groups = ceil(N * max_query_len / BLOCK_H), a piece of the split plan per
-    program (not PERSISTENT).
+    program.
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
     [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out

@@ -34,6 +34,7 @@ from pagedmla.ops.triton._utils import (
     dot_precision,
     next_pow2,
     split_pow2,
+    tiles_copyable,
 )
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
@@ -54,9 +55,7 @@ class DecodeConfig:
     kernel); paged: copy whole tiles with the bulk tensor copy engine (TMA) where the
     page size and layout allow (see `_page_descriptors`), else gather rows through the
     block table; prefetch: with bulk copies on a GPU, ask L2 for the tile this many
-    tiles ahead (0: off); hopper: on a Hopper GPU, run stage 1 as the warp-specialized
-    Gluon kernel that supports the call (`hopper_kernel`; else this config's Triton
-    kernel).
+    tiles ahead (0: off).
     """
 
     block_h: int
@@ -68,7 +67,6 @@ class DecodeConfig:
     swap_ab: bool = False
     paged: bool = True
     prefetch: int = 0
-    hopper: bool = False
     few_min_chunk: int | None = None
 
     def min_chunk_for(self, num_reqs: int) -> int:
@@ -116,14 +114,14 @@ class DecodeConfig:
 #   (few_min_chunk), where 128 is 4-14% faster: bf16 B = 1 x 8k 18.2 -> 16.5 us, fp8
 #   20.5 -> 17.7, B = 2 x 8k 20.5 -> 19.6.
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
-    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1, hopper=True,
+    "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1,
                            few_min_chunk=128),
-    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2, hopper=True,
+    "rows16-fp8": DecodeConfig(16, 64, 8, 2, 256, 1, prefetch=2,
                                few_min_chunk=128),
-    "rows32": DecodeConfig(32, 64, 4, 2, 128, 1, swap_ab=True, hopper=True),
-    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 128, 1, hopper=True),
-    "rows64": DecodeConfig(64, 64, 8, 2, 128, 1, prefetch=2, hopper=True),
-    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 128, 1, paged=False, hopper=True),
+    "rows32": DecodeConfig(32, 64, 4, 2, 128, 1, swap_ab=True),
+    "rows32-fp8": DecodeConfig(32, 64, 8, 2, 128, 1),
+    "rows64": DecodeConfig(64, 64, 8, 2, 128, 1, prefetch=2),
+    "rows64-fp8": DecodeConfig(64, 64, 8, 2, 128, 1, paged=False),
     # float32 q (tests, fp32 models): exact IEEE dots on CUDA cores; small tiles.
     "fp32": DecodeConfig(16, 16, 4, 1, 256, 2),
 }
@@ -473,18 +471,6 @@ def _decode_piece(
         tl.store(part_ptr + at[:, None] * L + HALF_L + cols[None, :], out_b,
                  mask=store_ok & (cols[None, :] + HALF_L < L))
         tl.store(part_lse_ptr + at, lse, mask=row_ok)
-
-
-def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:
-    """Whether the copy engine can read [block_n, ...] tiles of the cache `data`
-    [num_blocks, page, L + R] as rows: tiles inside one page (page a multiple of
-    block_n), pages adjacent in rows, 16-byte aligned base and row stride, and fewer
-    than 2**31 rows (int32 coordinates)."""
-    num_blocks, page, _ = data.shape
-    return (page % block_n == 0 and data.stride(-1) == 1
-            and data.stride(0) == page * data.stride(1)
-            and (data.stride(1) * data.element_size()) % 16 == 0
-            and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)
 
 
 def _page_descriptors(

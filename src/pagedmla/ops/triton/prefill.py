@@ -1,26 +1,20 @@
 """Variable-length prefill attention with log-sum-exp: the dispatch.
 
-`prefill_attention`, the backend's op, hands batches of equal-length sequences to cuDNN
-(`prefill_cudnn`) and everything else to our kernels; `varlen_attention` is ours: the
-Gluon kernel of `prefill_hopper` on Hopper GPUs where it supports the call, else the
-portable Triton kernel (`prefill_triton`).
+`prefill_attention`, the backend's op, runs the first entry of the prefill table
+(`selection`) that supports the call: cuDNN for batches of equal-length sequences
+(`prefill_cudnn`), else our kernels. `varlen_attention` is ours alone: the Gluon kernel
+of `prefill_hopper` on Hopper GPUs where it supports the call, else the portable Triton
+kernel (`prefill_triton`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedmla.ops.triton import prefill_cudnn, prefill_triton
-from pagedmla.ops.triton._utils import check_device, gluon_modules, last_dim_contiguous
+from pagedmla.ops.triton import prefill_cudnn
+from pagedmla.ops.triton._utils import check_device, last_dim_contiguous
 from pagedmla.ops.triton.prefill_triton import PrefillConfig
-
-
-def hopper_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float):
-    """The `prefill_hopper` module where its kernel takes this call on a Hopper GPU;
-    None where it does not (and always off Hopper, under the interpreter, or where
-    Triton lacks Gluon)."""
-    modules = gluon_modules(q.device, "prefill_hopper") or ()
-    return next((m for m in modules if m.supported(q, k, v, softmax_scale)), None)
+from pagedmla.ops.triton.selection import cudnn_takes, prefill_kernel, triton_prefill_kernel
 
 
 def varlen_attention(
@@ -42,8 +36,9 @@ def varlen_attention(
     cu_seqlens_q / cu_seqlens_k int32 [B + 1]; causal is bottom-right. max_seqlen_q
     (host int, >= every q_len) sizes the grid. Returns out [Tq, N, Dv] in q's dtype
     and lse [N, Tq] float32; a query that sees no key gets out 0 and lse -inf.
-    `config` runs the Triton kernel with those launch parameters (tuning, tests);
-    without it a Hopper GPU runs `prefill_hopper` where that supports the call.
+    `config` runs the portable Triton kernel with those launch parameters (tuning,
+    tests); without it the prefill table's first kernel entry that supports the call
+    runs (`selection`: `prefill_hopper` on Hopper GPUs, else the Triton kernel).
     """
     check_device(q, k, v)
     num_tokens, num_heads, _ = q.shape
@@ -58,13 +53,10 @@ def varlen_attention(
         lse.fill_(float("-inf"))
         return out, lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    hopper = hopper_kernel(q, k, v, softmax_scale) if config is None else None
-    if hopper is not None:
-        hopper.varlen_attention_into(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, softmax_scale, causal, out, lse)
-        return out, lse
-    prefill_triton.varlen_attention_into(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, softmax_scale, causal, out, lse, config)
+    kernel = (triton_prefill_kernel(config) if config is not None else prefill_kernel(
+        q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal, cudnn=False))
+    kernel.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, out, lse)
     return out, lse
 
 
@@ -80,16 +72,18 @@ def prefill_attention(
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `varlen_attention` (q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv]; returns out
-    [Tq, N, Dv] and lse [N, Tq] float32), on cuDNN when every sequence has the same
-    lengths (`prefill_cudnn`), else on our kernels."""
+    [Tq, N, Dv] and lse [N, Tq] float32), on the prefill table's first entry that takes
+    the call: cuDNN when every sequence has the same lengths (`prefill_cudnn`; asked
+    about the tensors as given), else our kernels. A call cuDNN refuses (a head dim or
+    layout its build does not take) goes to our kernels, and so do later calls of its
+    kind."""
     num_seqs = cu_seqlens_q.shape[0] - 1
-    if prefill_cudnn.supports(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale,
-                              causal):
+    if cudnn_takes(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         try:
             return prefill_cudnn.dense_attention(q, k, v, num_seqs, softmax_scale, causal)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:  # a head dim or layout this cuDNN build does not take
+        except RuntimeError:
             prefill_cudnn.refuse(q, k, v)
     return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, softmax_scale, causal)

@@ -33,12 +33,11 @@ def supports(
     max_seqlen_k: int, softmax_scale: float, causal: bool,
 ) -> bool:
     """Whether every sequence has max_seqlen_q queries and max_seqlen_k keys (and, for
-    causal, as many of each), and the inputs are ones cuDNN takes. Anything else
-    (including invalid input, which the Triton path reports) goes to the kernel."""
+    causal, as many of each), and the inputs are ones cuDNN takes (asked on a CUDA device
+    with PyTorch's cuDNN: `Platform.cudnn`). Anything else (including invalid input,
+    which the Triton path reports) goes to our kernels."""
     return (
-        q.is_cuda
-        and q.dtype in _CUDNN_DTYPES
-        and torch.backends.cudnn.is_available()
+        q.dtype in _CUDNN_DTYPES
         and num_seqs >= 1
         and max_seqlen_q >= 1
         and max_seqlen_k >= 1
