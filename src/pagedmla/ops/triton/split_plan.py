@@ -1,97 +1,85 @@
-"""How a decode batch is cut into pieces for split-KV, decided on the device.
+"""How a decode batch is cut into splits for split-KV, decided on the device.
 
-Stage 1 of `decode.mla_decode` runs a program per head group and piece, a piece being a
-slice of one request's positions (or per run of pieces, in the persistent plan below);
-the combine then folds each request's pieces by log-sum-exp. How to cut is decided here
+Stage 1 of `decode.mla_decode` runs a program per head group and split, a split being a
+slice of one request's positions (or per run of splits, in the persistent plan below);
+the combine then folds each request's splits by log-sum-exp. How to cut is decided here
 from the batch's actual lengths, by one small kernel, because the host knows only bounds
 (batch size, max_seq_len): a CUDA graph captured with short contexts must stay fast when
 replayed with long ones, and one long request among short ones must not leave a few
 multiprocessors doing all its work.
 
-The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, t_max
-the longest. Every request is cut into pieces of at most T tiles, one T for the whole
-batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 .. max_pieces
-(s: the longest request's piece count). A candidate makes P(T) = sum_b ceil(t_b / T)
-pieces, which run in P x head_groups / slots waves of at most T tiles (an empty
-request, such as a CUDA graph's padding row, takes a program that exits at once and
-counts in no wave); each piece also pays a fixed cost (q, the first copy's latency, the
-epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written and
-read back (PARTIAL tiles). A batch that fits one wave uncut prices a partial wave as a
-full one. Past that, a candidate's last partial wave costs max(lone_wave, its fill) of
-a full one, lone_wave being the stage-1 kernel's own. For a memory-bound kernel it is
-LONE_WAVE: a partial wave's few programs share the memory bandwidth with fewer others,
-so each runs faster, and a batch just past a wave is better served by finer pieces
-than by a second full-length wave for its last requests (H200, N = 16, 140 x 4k: one
-piece 236 us, three 196). A kernel bound by its own chains (the fp8 16-row kernel) or
-by the tensor cores (the 64-row kernel at N = 128) runs a partial wave hardly or no
-faster than a full one, and declares more (`decode_hopper_fp8.LONE_WAVE`,
-`decode_hopper_heads.LONE_WAVE`). In such a batch the other programs of a memory-bound
-kernel keep the memory busy while one starts or ends a piece, so its pieces pay not
-OVERHEAD but the kernel's own `past_overhead`: none for those (with OVERHEAD, the plan
-kept 133 and 140 requests of 1088 positions whole, 6-10% slower than three pieces
-each), four tiles for the fp8 16-row kernel, bound by its own chains
-(`decode_hopper_fp8.PAST_WAVE_TILES`). A batch past one wave has a second family of
-candidates too, whole waves: for k = 1 .. WHOLE_WAVES, k waves' worth of pieces (P = k x
-slots / head_groups) shared out in proportion to the requests' tiles by cumulative
-rounding (request b gets round(C_b P / C) - round(C_{b-1} P / C) pieces, C_b the tiles
-of requests 0 .. b, C all of them; at least one, at most max_pieces, none under
-MIN_TILES), so that a uniform batch of B requests is cut into a or a + 1 pieces each (a
-= P // B), which no single piece size makes. The programs start pieces as earlier ones
-end, so a wave's piece sizes even out over the SMs but for the last pieces: such a
-candidate costs its waves x the mean piece (plus PARTIAL and past_overhead) plus
-(largest piece - mean piece) for the tail (fitted on H200 timings of hand-made layouts,
-N = 16: 140 x 2k/4k/8k cut into three or four waves of 3/4 and 4/5 pieces per request
-ran 5-9% faster than the best uniform cut).
-The cheapest candidate of either family wins, and the one with the fewest pieces
-within 3% of it is taken (a uniform one on a tie). Request b is then cut into its
-pieces of equal whole-tile size. For a uniform batch the uniform family is the split
-count a host planner would choose; for a ragged one, either family cuts the long
-requests finer than the short ones. The requests whose pieces are at least the mean
-piece take the first programs, the others the last. The kinds must not be interleaved
-(140 x 4k in four waves of 3 or 4 pieces per request: 182 us with the 3-piece requests
-first, 183 with them last, 193 interleaved); bigger first is longest-first list
-scheduling, as the GPU starts programs in order as SMs free up, and an event model of
-that dispatch prefers it on ragged batches.
+The scored plan. Lengths are counted in tiles of BLOCK_N positions; t_b for request b,
+t_max the longest. Every request is cut into splits of at most T tiles, one T for the
+whole batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 ..
+max_pieces (s: the longest request's split count). A candidate makes P(T) = sum_b
+ceil(t_b / T) splits, which run in P x head_groups / slots waves of at most T tiles (an
+empty request, such as a CUDA graph's padding row, takes a program that exits at once
+and counts in no wave); each split also pays a fixed cost (q, the first copy's latency,
+the epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written
+and read back (PARTIAL tiles). A batch that fits one wave uncut costs a partial wave as
+a full one. Past that, a candidate's last partial wave costs max(lone_wave, its fill) of
+a full one, lone_wave being the stage-1 kernel's own (`selection`): LONE_WAVE for a
+memory-bound kernel, whose programs in a partial wave share the memory bandwidth with
+fewer others and so run faster, which makes finer splits worth more than a second
+full-length wave for a batch's last requests; more for a kernel bound by its own chains
+of work or by the tensor cores, which runs a partial wave hardly faster than a full
+one. Past one wave, too, a split pays not OVERHEAD but the kernel's own past_overhead:
+none for a memory-bound kernel, whose other programs keep the memory busy while one
+starts or ends a split. A batch past one wave has a second family of candidates, whole
+waves: for k = 1 .. WHOLE_WAVES, k waves' worth of splits (P = k x slots / head_groups)
+shared out in proportion to the requests' tiles by cumulative rounding (request b gets
+round(C_b P / C) - round(C_{b-1} P / C) splits, C_b the tiles of requests 0 .. b, C all
+of them; at least one, at most max_pieces, none under MIN_TILES), so that a uniform
+batch of B requests is cut into a or a + 1 splits each (a = P // B), which no single
+split size makes. The programs start splits as earlier ones end, so a wave's split
+sizes even out over the SMs but for the last splits: such a candidate costs its waves x
+the mean split (plus PARTIAL and past_overhead) plus (largest split - mean split) for
+the tail. The cheapest candidate of either family wins, and the one with the fewest
+splits within 3% of it is taken (a uniform one on a tie). Request b is then cut into
+its splits of equal whole-tile size. For a uniform batch the uniform family is the
+split count a host planner would choose; for a ragged one, either family cuts the long
+requests finer than the short ones. The requests whose splits are at least the mean
+split take the first programs, the others the last, not interleaved: bigger first is
+longest-first list scheduling, as the GPU starts programs in order as SMs free up.
 
-The persistent plan. Pieces that run as separate programs each pay a start (the work
-row, q, the first copy's latency) on an SM that had been streaming, and programs
-finish unevenly. A stage-1 kernel that runs a run of pieces in one program (the 16-row
-bf16 kernel, `decode_hopper`, whose copy ring goes on from one piece to the next, and
-the Triton kernel) allows the even split instead: the batch's tiles in request order,
-an empty request weighing one, are cut into runs of share = ceil(tiles / W) for one
-wave of W = slots / head_groups programs, and program p takes the pieces (one per
+The persistent plan. Splits that run as separate programs each pay a start (the work
+row, q, the first copy's latency) on an SM that had been streaming, and programs finish
+unevenly. A stage-1 kernel that runs a run of splits in one program (`persistent`: the
+16-row bf16 kernel, `decode_hopper`, whose copy ring goes on from one split to the
+next, and the Triton kernel) allows the even cut instead: the batch's tiles in request
+order, an empty request weighing one, are cut into runs of share = ceil(tiles / W) for
+one wave of W = slots / head_groups programs, and program p takes the splits (one per
 request its run meets) of tiles [p share, (p + 1) share). It costs its even share plus
-STREAM tiles (the combine of the requests it cuts, a piece's start where a run meets a
+STREAM tiles (the combine of the requests it cuts, a split's start where a run meets a
 request), and is taken past one wave of requests where that beats the scored plan's
-best, which within its grid (a program per request) is whole requests: a uniform batch
-whose last wave is nearly full keeps them (H200, N = 16: 256 x 4k whole 288.8 us,
-persistent 299.1), one just past a wave does not (140 x 4k: 178.9 us, the whole-wave
-plan 184.6).
+best, which within its grid (a program per request) is whole requests.
 
-The even plan. A stage-1 kernel that runs one piece per program (the fp8 16-row and
-the 64-row kernels) can still take the persistent plan's even cut: its pieces, each
-its own program, dispatched longest first (the rows sorted by size, so the GPU's
-in-order starts make it list scheduling). Each piece pays its start and its partial
-here, and the busiest slot runs ceil(pieces x head_groups / slots) of them, so it
-costs share + STREAM + that many x (past_overhead + PARTIAL) tiles; it is taken past
-one wave where that beats the scored plan's best and its pieces fit the grid and
-max_pieces. It serves batches just past one wave, which the scored family can only cut
-in whole-tile pieces per request, two or three waves of them with a ragged last one
-(H200, N = 128 bf16, 67 x 4k: scored 197.9 us, even 172.1; 100 x 8k: 504.0 / 457;
-fp8 N = 16, 140 x 4k: 122.0 / 106.6), and loses to it where a wave of whole requests
-is nearly full (fp8 N = 16 256 x 4k, N = 128 128 x 4k; 170 x 1088 fp8: 58.5 / 56.0).
+The even plan. A stage-1 kernel that runs one split per program (the fp8 16-row and the
+64-row kernels) can still take the persistent plan's even cut: its splits, each its own
+program, dispatched longest first (the rows sorted by size, so the GPU's in-order
+starts make it list scheduling). Each split pays its start and its partial here, and
+the busiest slot runs ceil(splits x head_groups / slots) of them, so it costs share +
+STREAM + that many x (past_overhead + PARTIAL) tiles; it is taken past one wave where
+that beats the scored plan's best and its splits fit the grid and max_pieces. It serves
+batches just past one wave, which the scored family can only cut in whole-tile splits
+per request, two or three waves of them with a ragged last one.
 
-The plan is three int32 tensors: `work`, WORK-field rows, one per piece (request, first
-position, end position, the request's piece count, the request's seq_len, first token
-and q_len, so that a program learns its work in one round trip, and the piece's partial
-index), request -1 for rows past the last piece; `starts`, program p's pieces being
+The plan is three int32 tensors: `work`, WORK-field rows, one per split (request, first
+position, end position, the request's split count, the request's seq_len, first token
+and q_len, so that a program learns its work in one round trip, and the split's partial
+index), request -1 for rows past the last split; `starts`, program p's splits being
 rows starts[p] .. starts[p + 1] - 1 (row p alone, or none, but in the persistent plan);
-and `cut`, one WORK-field row per request cut in more than one piece (request, its
-first partial index, its piece count, ...), which the combine runs over, so that a
-batch none of whose requests is cut costs it next to nothing. A request's pieces have
+and `cut`, one WORK-field row per request cut in more than one split (request, its
+first partial index, its split count, ...), which the combine runs over, so that a
+batch none of whose requests is cut costs it next to nothing. A request's splits have
 consecutive partial indices, so each of its query rows has its partials side by side
 in the partial buffer ([token, head, partial, L]) whatever order the rows run in; the
 partial index is the row's own but in the even plan.
+
+The constants that cost splits and waves (OVERHEAD_TILES, LONE_WAVE, EXTRA_WAVES,
+STREAM_TILES, and the kernels' own in `selection`) are tuned with `python
+benchmarks/bench_split_plan.py` (uniform batches around one wave, --ragged for ragged
+ones, --cache fp8).
 """
 
 from __future__ import annotations
@@ -104,38 +92,32 @@ import triton.language as tl
 
 from pagedmla.ops.triton._utils import cdiv, next_pow2
 
-MAX_SPLITS = 128  # pieces of one request at most: bounds the combine's [pieces, columns] tile
-OVERHEAD_TILES = 2  # a piece's fixed cost, in tiles of cache (q, the first copy, the epilogue)
+MAX_SPLITS = 128  # splits of one request at most: bounds the combine's [splits, columns] tile
+OVERHEAD_TILES = 2  # a split's fixed cost, in tiles of cache (q, the first copy, the epilogue)
 # A cut request's partial ([rows, L] float32, written then read back) moves about as many
 # bytes as 4 x rows bf16 cache rows of 576 columns (DeepSeek widths).
 PARTIAL_ROWS_PER_ROW = 4
-# A last partial wave's cost, as a fraction of a full wave's, past one wave of requests,
-# for a memory-bound stage-1 kernel (each declares its own, `plan_splits`' lone_wave):
-# H200, N = 16, B = 140 against 256 x 4k (8 programs of the second wave alone: 0.61 of
-# a full one), 170 and 200 x 4k (38 and 68 programs: 0.6, 0.67).
+# A last partial wave's cost past one wave of requests, as a fraction of a full wave's,
+# for a memory-bound stage-1 kernel (each kernel states its own: `selection`).
 LONE_WAVE = 0.6
 # Stage-1 programs past a batch of more requests than one wave, in waves: room for the
-# finer pieces that such a batch is cut in (133-170 x 4k: two or three pieces), where
-# its last wave of whole requests would be filled less than lone_wave; one wave else
-# (room to cut a few long requests), since a uniform batch that fills its last wave
-# that far stays whole, and the idle programs of a wider grid cost it (B = 256 x 4k,
-# N = 16: 294.6 us with one wave of room, 296.0 with three).
+# finer splits such a batch is cut in, where its last wave of whole requests would be
+# filled less than lone_wave; one wave else (room to cut a few long requests), since a
+# uniform batch that fills its last wave that far stays whole, and the idle programs of
+# a wider grid cost it.
 EXTRA_WAVES = 3
 WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 at most)
 # Requests per step of the plan kernel's loops: at most 64, fewer for a smaller batch
 # (at least 16), since every step's tensors are this wide whatever the batch.
 _BLOCK_B = 64
 _MIN_BLOCK_B = 16
-# The plan kernel's warps. Measured (session 44, the plan alone): with 4, B = 1 plans no
-# faster than with 8, and fp8 batches past one wave 1.1-1.25x slower.
-_PLAN_WARPS = 8
+_PLAN_WARPS = 8  # the plan kernel's warps (4 plan fp8 batches past one wave slower)
 _BLOCK_P = 128  # programs per step of its last loop
-_BLOCK_J = 32  # pieces of a request per step of the loops that write the rows
+_BLOCK_J = 32  # splits of a request per step of the loops that write the rows
 # The persistent plan's cost over its even share of the batch, in tiles: the combine of
-# the requests it cuts and a piece's start at each request a program meets. It is taken
+# the requests it cuts and a split's start at each request a program meets. It is taken
 # where it beats the scored plan's best (with its grid, whole requests past a wave) by
-# that much: H200, N = 16, 256 x 4k in two waves of whole requests 288.8 us, persistent
-# 299.1 (share 125 tiles, 128 for the waves); 200 x 4k 244.8 / 240.4.
+# that much.
 STREAM_TILES = 2
 WORK = 8  # int32 fields per row of the plan's work and cut (32 bytes)
 WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
