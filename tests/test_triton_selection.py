@@ -21,7 +21,7 @@ from pagedmla.ops.triton.selection import decode_kernel, decode_kernels, prefill
 from tests.triton_helpers import FP8, TINY_DECODE, _check_decode, _decode_case, runnable
 
 HOPPER = Platform(cudnn=True, hopper=True, gluon=True)  # H100/H200 with Triton 3.6
-HOPPER_OTHER_TRITON = Platform(cudnn=True, hopper=True, gluon=False)
+HOPPER_NO_GLUON = Platform(cudnn=True, hopper=True, gluon=False)
 OTHER_GPU = Platform(cudnn=True, hopper=False, gluon=True)  # e.g. an A100
 INTERPRETER = Platform(cudnn=False, hopper=False, gluon=False)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
@@ -93,8 +93,8 @@ DECODE_CHOICES = [
     (HOPPER, "bf16", "fp8", 128, 16, "odd-row-stride", 512, 64, "decode_triton"),
     (HOPPER, "bf16", "fp8", 128, 16, "page-stride-off-rows", 512, 64, "decode_triton"),
     # Where the Gluon kernels cannot run, the portable kernel takes everything.
-    (HOPPER_OTHER_TRITON, "bf16", "bf16", 16, 64, "contiguous", 512, 64, "decode_triton"),
-    (HOPPER_OTHER_TRITON, "bf16", "fp8", 128, 64, "contiguous", 512, 64, "decode_triton"),
+    (HOPPER_NO_GLUON, "bf16", "bf16", 16, 64, "contiguous", 512, 64, "decode_triton"),
+    (HOPPER_NO_GLUON, "bf16", "fp8", 128, 64, "contiguous", 512, 64, "decode_triton"),
     (OTHER_GPU, "bf16", "fp8", 16, 64, "contiguous", 512, 64, "decode_triton"),
     (OTHER_GPU, "bf16", "bf16", 128, 64, "contiguous", 512, 64, "decode_triton"),
     (INTERPRETER, "fp16", "fp16", 16, 64, "contiguous", 512, 64, "decode_triton"),
@@ -130,7 +130,7 @@ def test_decode_table_order_and_specs() -> None:
         assert entry.gluon and entry.name == name
         assert (entry.block_h, entry.block_n, entry.persistent, entry.past_wave_tiles,
                 entry.tail_wave, entry.pdl) == (block_h, block_n, persistent, past, tail, pdl)
-    for platform in (HOPPER_OTHER_TRITON, OTHER_GPU, INTERPRETER):
+    for platform in (HOPPER_NO_GLUON, OTHER_GPU, INTERPRETER):
         assert [e.name for e in decode_kernels(platform, TINY_DECODE, 16)] == ["decode_triton"]
 
 
@@ -209,47 +209,38 @@ def _prefill_call(dtype: str, q_lens: list[int], k_lens: list[int], qk: int, dv:
     return q, kv[..., :qk], kv[..., qk:qk + dv]
 
 
-# (platform, dtype, q_lens, k_lens, causal, qk, dv, layout, softmax scale) -> the
-# prefill kernel that runs, and the one our kernels' part of the table picks
-# (`varlen_attention`, or a call cuDNN refuses).
+# (platform, dtype, q_lens, k_lens, causal, qk and v head dims, the layout of q, k and v
+# (`_prefill_call`), softmax scale) -> the prefill kernel that runs, and the one our
+# kernels' part of the table picks (`varlen_attention`, or a call cuDNN refuses): cudnn,
+# hopper (prefill_hopper) or triton (prefill_triton).
 PREFILL_CHOICES = [
-    (HOPPER, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn", "prefill_hopper"),
-    (HOPPER, "fp16", [300], [300], True, 192, 128, "kv", 0.1, "cudnn", "prefill_hopper"),
-    (HOPPER, "bf16", [40, 40], [100, 100], False, 192, 128, "kv", 0.1, "cudnn",
-     "prefill_hopper"),
-    (HOPPER, "bf16", [40, 40], [90, 90], True, 192, 128, "kv", 0.1, "prefill_hopper",
-     "prefill_hopper"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1, "prefill_hopper",
-     "prefill_hopper"),
-    (HOPPER, "fp16", [5, 77], [5, 77], True, 128, 128, "kv", 0.1, "prefill_hopper",
-     "prefill_hopper"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 256, 256, "kv", 0.1, "prefill_hopper",
-     "prefill_hopper"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 64, 64, "kv", 0.1, "prefill_hopper", "prefill_hopper"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 48, 24, "kv", 0.1, "prefill_triton", "prefill_triton"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 96, "kv", 0.1, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "odd-stride", 0.1, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "heads-outer", 0.1, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER, "bf16", [64, 64], [64, 64], True, 48, 24, "kv", 0.1, "cudnn", "prefill_triton"),
-    (HOPPER, "fp32", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", -0.1, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.0, "prefill_triton",
-     "prefill_triton"),
-    (HOPPER_OTHER_TRITON, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn",
-     "prefill_triton"),
-    (HOPPER_OTHER_TRITON, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1,
-     "prefill_triton", "prefill_triton"),
-    (OTHER_GPU, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn",
-     "prefill_triton"),
-    (OTHER_GPU, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1, "prefill_triton",
-     "prefill_triton"),
-    (INTERPRETER, "fp16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "prefill_triton",
-     "prefill_triton"),
+    # Equal lengths: cuDNN, whatever the head dims; our kernels' part picks as for any call.
+    (HOPPER, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn", "hopper"),
+    (HOPPER, "fp16", [300], [300], True, 192, 128, "kv", 0.1, "cudnn", "hopper"),
+    (HOPPER, "bf16", [40, 40], [100, 100], False, 192, 128, "kv", 0.1, "cudnn", "hopper"),
+    (HOPPER, "bf16", [64, 64], [64, 64], True, 48, 24, "kv", 0.1, "cudnn", "triton"),
+    # Causal but not square, or ragged: the Gluon kernel for the head dims its copies cover.
+    (HOPPER, "bf16", [40, 40], [90, 90], True, 192, 128, "kv", 0.1, "hopper", "hopper"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1, "hopper", "hopper"),
+    (HOPPER, "fp16", [5, 77], [5, 77], True, 128, 128, "kv", 0.1, "hopper", "hopper"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 256, 256, "kv", 0.1, "hopper", "hopper"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 64, 64, "kv", 0.1, "hopper", "hopper"),
+    # Head dims, layouts, dtypes and scales the Gluon kernel does not take.
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 48, 24, "kv", 0.1, "triton", "triton"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 96, "kv", 0.1, "triton", "triton"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "odd-stride", 0.1, "triton", "triton"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "heads-outer", 0.1, "triton", "triton"),
+    (HOPPER, "fp32", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "triton", "triton"),
+    # A scale that is not positive: neither cuDNN nor the Gluon kernel.
+    (HOPPER, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", -0.1, "triton", "triton"),
+    (HOPPER, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.0, "triton", "triton"),
+    # Without the Gluon kernels: cuDNN for equal lengths, else the Triton kernel.
+    (HOPPER_NO_GLUON, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn", "triton"),
+    (HOPPER_NO_GLUON, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1, "triton", "triton"),
+    (OTHER_GPU, "bf16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "cudnn", "triton"),
+    (OTHER_GPU, "bf16", [5, 77], [5, 77], True, 192, 128, "kv", 0.1, "triton", "triton"),
+    # Nor cuDNN under the interpreter.
+    (INTERPRETER, "fp16", [64, 64], [64, 64], True, 192, 128, "kv", 0.1, "triton", "triton"),
 ]
 
 
@@ -263,8 +254,9 @@ def test_prefill_table_choices(platform: Platform, dtype: str, q_lens: list[int]
     monkeypatch.setattr(prefill_cudnn, "_REFUSED", set())
     q, k, v = _prefill_call(dtype, q_lens, k_lens, qk, dv, layout)
     call = (q, k, v, len(q_lens), max(q_lens), max(k_lens), scale, causal)
-    assert prefill_kernel(*call, platform=platform).name == want
-    assert prefill_kernel(*call, cudnn=False, platform=platform).name == ours
+    names = {"cudnn": "cudnn", "hopper": "prefill_hopper", "triton": "prefill_triton"}
+    assert prefill_kernel(*call, platform=platform).name == names[want]
+    assert prefill_kernel(*call, cudnn=False, platform=platform).name == names[ours]
 
 
 def test_prefill_table_after_a_cudnn_refusal(monkeypatch: pytest.MonkeyPatch) -> None:

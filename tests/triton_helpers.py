@@ -235,13 +235,13 @@ def _pieces(work: list[list[int]]) -> list[int]:
     return [count for _, count in sorted({row[0]: row[3] for row in work}.items())]
 
 
-def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool,
-                         num_splits: int | None) -> None:
-    """The Gluon kernel against the reference, and against the Triton kernel of the
-    same config."""
+def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool, num_splits: int | None,
+                         kernel: str) -> None:
+    """The Gluon kernel `kernel`, which the decode table must pick for the call, against
+    the reference, and against the Triton kernel of the same config."""
+    assert decode_kernel(args[0], args[1], num_rows, args[8]).name == kernel
     _check_decode(args, torch.bfloat16, num_splits=num_splits)
     config = pick_config(num_rows, args[0].dtype, is_fp8)
-    assert decode_kernel(args[0], args[1], num_rows, args[8]).gluon
     ours = mla_decode(*args, num_splits=num_splits)
     theirs = mla_decode(*args, num_splits=num_splits, config=config)
     assert relative_error(ours[0], theirs[0].double()) < 1e-2

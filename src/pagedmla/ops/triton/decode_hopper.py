@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -68,9 +69,14 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     `selection` checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
     dtype, at most BLOCK_H query rows per request, and pages the copy engine can read
     (`pages_copyable`)."""
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
-            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == q.dtype
+    return (deepseek_call(q, data, L) and num_rows <= BLOCK_H and data.dtype == q.dtype
             and pages_copyable(data))
+
+
+def deepseek_call(q: torch.Tensor, data: torch.Tensor, L: int) -> bool:
+    """What every Gluon decode kernel needs of a call: DeepSeek's widths (L = 512, R =
+    64) and a 16-bit q."""
+    return L == 512 and data.shape[-1] == L + 64 and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def copy_rows(page: int) -> int:
@@ -140,6 +146,18 @@ def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout:
         mbarrier.init(ready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     return ring_a, ring_b, ring_r, ready, empty
+
+
+@gluon.jit
+def copy_ring(latent_desc, rope_desc, STAGES: gl.constexpr, TILE_N: gl.constexpr):
+    """The ring of STAGES tile buffers (`allocate_ring`) that bulk copies through
+    latent_desc and rope_desc fill, in their layouts."""
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    R: gl.constexpr = rope_desc.block_type.shape[1]
+    latent_layout: gl.constexpr = latent_desc.layout
+    rope_layout: gl.constexpr = rope_desc.layout
+    return allocate_ring(latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N,
+                         HALF_L, R)
 
 
 @gluon.jit
@@ -497,10 +515,7 @@ def _decode_partial_ws_kernel(
     # 8 elements (16 bytes of a 16-bit type) per thread along the row.
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    latent_layout: gl.constexpr = latent_desc.layout
-    rope_layout: gl.constexpr = rope_desc.layout
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
+    ring_a, ring_b, ring_r, ready, empty = copy_ring(latent_desc, rope_desc, STAGES, TILE_N)
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
     x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
@@ -561,11 +576,28 @@ def decode_partial(
     requests in one piece, part_out [.., plan.rows, L] and part_lse float32 for the
     others' partials (as `decode.mla_decode`)."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_partial_ws_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, scale, block_table, plan.work, plan.starts, out, lse,
-        part_out, part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], plan.rows, float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, RUNS=plan.rows > plan.programs, num_warps=4,
+    launch(_decode_partial_ws_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, starts_ptr=plan.starts, num_pieces=plan.rows,
+           BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES, RUNS=plan.rows > plan.programs,
+           num_warps=4)
+
+
+def launch(
+    kernel: Any, q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+    block_table: torch.Tensor, plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor,
+    part_out: torch.Tensor, part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
+    L: int, **kernel_args: Any,
+) -> None:
+    """Launch the Gluon stage-1 `kernel` (this module's or `decode_hopper_fp8`'s,
+    `decode_hopper_heads`'s) on grid (head_groups, plan.programs): the arguments every
+    such kernel takes (as `decode_partial` gets them), by name, and `kernel_args`, its
+    own (descriptors, tile sizes, warps)."""
+    kernel[(head_groups, plan.programs)](
+        q_ptr=q, scale_ptr=scale, block_table_ptr=block_table, work_ptr=plan.work,
+        out_ptr=out, lse_ptr=lse, part_ptr=part_out, part_lse_ptr=part_lse,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_bt=block_table.stride(0),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lt=lse.stride(1),
+        stride_lh=lse.stride(0), num_heads=q.shape[1], softmax_scale=float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], **kernel_args,
     )

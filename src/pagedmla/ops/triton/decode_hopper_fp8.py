@@ -68,7 +68,9 @@ from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
-    allocate_ring,
+    copy_ring,
+    deepseek_call,
+    launch,
     load_q,
     page_descriptors,
     pages_copyable,
@@ -114,8 +116,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     """Whether this kernel takes the call (on a Hopper GPU): an fp8 cache of DeepSeek
     widths (L = 512, R = 64), 16-bit q, at most MAX_ROWS query rows per request, and
     pages the copy engine can read (`decode_hopper.pages_copyable`)."""
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= MAX_ROWS
-            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == FP8_DTYPE
+    return (deepseek_call(q, data, L) and num_rows <= MAX_ROWS and data.dtype == FP8_DTYPE
             and pages_copyable(data))
 
 
@@ -425,10 +426,7 @@ def _decode_fp8_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 32])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    latent_layout: gl.constexpr = latent_desc.layout
-    rope_layout: gl.constexpr = rope_desc.layout
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
+    ring_a, ring_b, ring_r, ready, empty = copy_ring(latent_desc, rope_desc, STAGES, TILE_N)
 
     latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, HALF_L],
                                                                   gl.float8e4nv)
@@ -513,11 +511,7 @@ def decode_partial(
     """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`,
     one piece per program)."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_fp8_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, scale, block_table, plan.work, out, lse, part_out,
-        part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, num_warps=4,
-    )
+    launch(_decode_fp8_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES,
+           num_warps=4)

@@ -57,6 +57,8 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
     allocate_ring,
+    deepseek_call,
+    launch,
     load_q,
     page_descriptors,
     pages_copyable,
@@ -108,8 +110,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     tiles can come from: pages the copy engine reads (16-bit,
     `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
     and rows (the widener loads rows of 16-byte vectors)."""
-    if not (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
-            and q.dtype in (torch.bfloat16, torch.float16)
+    if not (deepseek_call(q, data, L) and num_rows >= MIN_ROWS
             and data.dtype in (q.dtype, FP8_DTYPE)):
         return False
     if data.dtype != FP8_DTYPE:
@@ -468,14 +469,10 @@ def decode_partial(
     `decode.mla_decode`)."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
-    _decode_heads_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
-        block_table, plan.work, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-        q.shape[1], float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
-        PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
-        **_fp8_exponents(q.dtype if is_fp8 else None),
-    )
+    launch(_decode_heads_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, codes_ptr=data.view(torch.uint8) if is_fp8 else data,
+           stride_cp=data.stride(1), BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES,
+           IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
+           PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
+           **_fp8_exponents(q.dtype if is_fp8 else None))
