@@ -3,23 +3,26 @@ says of each: shared memory, registers, spilled bytes.
 
 The Triton interpreter runs the Triton kernels on the CPU but not the Gluon ones, and
 neither it nor a CPU test sees what the compiler makes of a kernel: a Gluon kernel that
-does not build for Hopper, or one whose warp partitions spill registers (loads of spilled
-values inside a tile loop cost the fp8 kernel 20%, session 38). This builds every path
-`decode.mla_decode` can take on an H200 (the 16-row bf16 and fp8 kernels, one piece per
-program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the Triton
-kernel; the plan and the combine) and both prefill kernels, from CPU tensors, with a
-stand-in for the CUDA driver that reports an sm_90a target and turns every launch into
-a compile-only warm-up.
-Run it with the Triton the GPU machine has (3.6 for the H200 here): other versions
+does not build for Hopper, or one whose warp partitions spill registers (loads of
+spilled values inside a tile loop slow a kernel down). This builds every path
+`decode.mla_decode` can take on an H100/H200 (the 16-row bf16 and fp8 kernels, one split
+per program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the
+Triton kernel; the plan and the combine) and both prefill kernels, from CPU tensors,
+with a stand-in for the CUDA driver that reports an sm_90a target and turns every
+launch into a compile-only warm-up; the device's facts are faked through
+`selection.device_platform`. Run it with the Triton the GPU machine has: other versions
 compile other code, and the Gluon kernels build with one release only
-(`_utils.GLUON_TRITON`: with 3.5, 3.7, 3.8 and 3.9 they fail here, which is how that
-was found); a path that does not build is reported as such.
+(`_utils.GLUON_TRITON`); a path that does not build is reported as such. --ptx adds a
+hash of each kernel's PTX without its name and line information, which stays the same
+where a change of the code leaves the compiled kernel as it was.
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py [--ptx]
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -83,8 +86,9 @@ def ptxas_report(kernel: Any) -> tuple[int, int]:
 
 
 def _platform(gluon: bool) -> Callable[[torch.device], Any]:
-    """`_utils.device_platform` for CPU tensors as on an H200 with the Triton the Gluon
-    kernels are written for (gluon), or as on a GPU that runs only the Triton kernels."""
+    """`_utils.device_platform` for CPU tensors as on a Hopper GPU with the Triton the
+    Gluon kernels are written for (gluon), or as on a GPU that runs only the Triton
+    kernels."""
     from pagedmla.ops.triton._utils import Platform
 
     return lambda device: Platform(cudnn=False, hopper=gluon, gluon=gluon)
@@ -122,7 +126,26 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
     prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True)
 
 
-def main() -> None:
+def ptx_hash(name: str, ptx: str) -> str:
+    """A hash of the kernel `name`'s PTX without its name, comments, line information
+    and debug sections: what a rename or a move of the source leaves unchanged."""
+    lines, debug = [], False
+    for line in ptx.splitlines():
+        text = line.strip()
+        debug = debug or (text.startswith(".section") and ".debug" in text)
+        if debug:
+            debug = text != "}"
+            continue
+        if text and not text.startswith((".loc", ".file", "//")):
+            lines.append(line.replace(name, "KERNEL"))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ptx", action="store_true",
+                        help="add a hash of each kernel's PTX (name and lines stripped)")
+    options = parser.parse_args(argv)
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
     from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper
@@ -142,8 +165,9 @@ def main() -> None:
         ("fp8 64 rows", 4, 128, 4096, True, 64, True),
         ("Triton kernel, persistent runs", 200, 16, 4096, False, 64, False),
     ]
-    print("| path | kernel | shared bytes | registers | spilled bytes |")
-    print("|---|---|---:|---:|---:|")
+    ptx_column = (" PTX hash |", "---|") if options.ptx else ("", "")
+    print("| path | kernel | shared bytes | registers | spilled bytes |" + ptx_column[0])
+    print("|---|---|---:|---:|---:|" + ptx_column[1])
     builds = [(label, compile_decode, args) for label, *args in cases]
     builds += [("prefill 192 / 128", compile_prefill, (4096, 16, 192, 128, True)),
                ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False))]
@@ -158,8 +182,9 @@ def main() -> None:
             print(f"| {label} | does not build: {reason} | | | |", flush=True)
         for name, kernel in COMPILED[done:]:
             registers, spills = ptxas_report(kernel)
-            print(f"| {label} | {name} | {kernel.metadata.shared} | {registers} | {spills} |",
-                  flush=True)
+            ptx = f" {ptx_hash(name, kernel.asm['ptx'])} |" if options.ptx else ""
+            print(f"| {label} | {name} | {kernel.metadata.shared} | {registers} | {spills} |"
+                  + ptx, flush=True)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def test_decode_rejects_a_cache_without_positions() -> None:
         mla_decode(*args)
 
 
-def test_decode_refuses_more_pieces_than_a_grid_axis_holds(monkeypatch) -> None:
-    # Stage 1's pieces are its grid's second axis (65535 programs at most on a GPU): a
+def test_decode_refuses_more_splits_than_a_grid_axis_holds(monkeypatch) -> None:
+    # Stage 1's splits are its grid's second axis (65535 programs at most on a GPU): a
     # batch whose plan needs more gets a ValueError naming the batch, not a failed
     # launch. The limit is lowered here so that four requests exceed it.
     args = _decode_case([1] * 4, [5] * 4, 4, 64, 16, 16, torch.float32, torch.float32,
@@ -162,7 +162,7 @@ def test_decode_padded_request_is_harmless(config: DecodeConfig) -> None:
 @TINY_CONFIGS
 def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
     # A batch past one wave (on the interpreter: 4 programs) by a third of a wave or
-    # more: the persistent plan runs several pieces per program, short requests packed
+    # more: the persistent plan runs several splits per program, short requests packed
     # into one program, long ones cut across programs and merged by the combine; q_len
     # 1 and 3 (3 x 8 heads: two head groups of 16 rows), seq_len 0 requests among them.
     _check_past_wave(block_size, config, 90, _assert_persistent_plan)
@@ -171,10 +171,10 @@ def test_decode_persistent_plan(block_size: int, config: DecodeConfig) -> None:
 @runnable
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_decode_even_plan(block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The even plan (the persistent plan's pieces, a program each, rows longest first,
+    # The even plan (the persistent plan's splits, a program each, rows longest first,
     # partials at their own indices) on the Triton kernel, which runs any plan's rows: a
-    # batch past one wave, the plan made as for a kernel of one piece per program, with
-    # the even plan priced cheapest. q_len 1 and 3 (two head groups of 16 rows), empty
+    # batch past one wave, the plan made as for a kernel of one split per program, with
+    # the even plan costed cheapest. q_len 1 and 3 (two head groups of 16 rows), empty
     # requests and graph padding rows among them.
     monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)
     one_per_program = decode_module.plan_splits
@@ -187,11 +187,11 @@ def test_decode_even_plan(block_size: int, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @runnable
-def test_decode_few_requests_take_shorter_pieces() -> None:
+def test_decode_few_requests_take_shorter_splits() -> None:
     # A config's few_min_chunk replaces its min_chunk for batches of at most
-    # FEW_REQUESTS requests (one or two requests in 256-position pieces left SMs idle),
-    # and larger batches keep min_chunk: the plan kept in `plans` records which one it
-    # was made with (its key's seventh field). The outputs match the reference.
+    # FEW_REQUESTS requests (one or two requests in 256-position splits would leave SMs
+    # idle), and larger batches keep min_chunk: the plan kept in `plans` records which
+    # one it is made with (its key's seventh field). The outputs match the reference.
     cfg = replace(TINY_DECODE, min_chunk=64, few_min_chunk=16)
     for lens, want in (([200], 16), ([200, 90], 16), ([200, 90, 5], 64)):
         assert (len(lens) <= FEW_REQUESTS) == (want == 16)

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from pagedmla.ops.triton._utils import GRID_YZ_MAX, cdiv, multiprocessor_count
 from pagedmla.ops.triton.decode_triton import pick_config
 from pagedmla.ops.triton.split_plan import plan_splits
-from tests.triton_helpers import FP8, _check_decode, _decode_case, _pieces, cuda
+from tests.triton_helpers import FP8, _check_decode, _decode_case, _splits, cuda
 
 
 @pytest.mark.cuda
@@ -21,7 +21,7 @@ from tests.triton_helpers import FP8, _check_decode, _decode_case, _pieces, cuda
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_decode_gpu_ragged_batch(num_heads: int, cache: str, q_len: int) -> None:
-    # One long request among short ones: the plan cuts the long one into pieces
+    # One long request among short ones: the plan cuts the long one into splits
     # (partials, the combine) and leaves the short ones whole (stage 1 writes their
     # output) in the same launch; the Gluon kernels on Hopper (16 and 64 rows).
     seq_lens = [40001, q_len, 65, 1000, 4097, 333, 2049]
@@ -35,7 +35,7 @@ def test_decode_gpu_ragged_batch(num_heads: int, cache: str, q_len: int) -> None
     plan = plan_splits(args[4], args[5], cdiv(rows, block_h), max(seq_lens),
                        multiprocessor_count(args[0].device) * cfg.programs_per_sm, 64,
                        cfg.min_chunk, block_h)
-    counts = _pieces([row for row in plan.work.tolist() if row[0] >= 0])
+    counts = _splits([row for row in plan.work.tolist() if row[0] >= 0])
     assert counts[0] > 4 and max(counts[1:]) < counts[0]
     _check_decode(args, torch.bfloat16)
 
@@ -70,9 +70,9 @@ def test_decode_gpu_multi_token(max_q: int, num_heads: int) -> None:
 @cuda
 def test_decode_gpu_more_rows_than_a_grid_axis_holds() -> None:
     # 128 heads x 512 tokens per request are 65536 query rows, one more than a launch
-    # grid's second axis holds: the combine runs on one axis (it failed to launch while
-    # rows were its second). Two requests, so that the plan may cut one and the combine
-    # runs.
+    # grid's second axis holds: the combine runs on one axis (a grid with rows on its
+    # second would not launch). Two requests, so that the plan may cut one and the
+    # combine runs.
     args = _decode_case([512, 512], [4608, 1000], 128, 512, 64, 64, torch.bfloat16,
                         torch.bfloat16, seed=240)
     assert GRID_YZ_MAX < 128 * 512

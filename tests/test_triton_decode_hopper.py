@@ -213,8 +213,8 @@ def test_decode_gpu_hopper_fp8_two_head_groups(block_size: int, q_lens: list[int
 @pytest.mark.parametrize(("q_len", "num_heads"), [(1, 16), (2, 8), (1, 1)])
 def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len: int,
                                       num_heads: int) -> None:
-    # The 16-row kernel on a batch past one wave: programs run several pieces each, the
-    # ring going on from one piece to the next, q reloaded per piece.
+    # The 16-row kernel on a batch past one wave: programs run several splits each, the
+    # ring going on from one split to the next, q reloaded per split.
     args = _persistent_case(num_heads, q_len, 512, block_size, dtype, 40, 4097,
                             seed=950 + block_size)
     plans: dict = {}
@@ -234,9 +234,9 @@ def test_decode_gpu_hopper_persistent(dtype: torch.dtype, block_size: int, q_len
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_decode_gpu_hopper_even_plan(kernel: str, num_heads: int, q_len: int, cache: str,
                                      block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The kernels that run one piece per program, on a batch past one wave (ragged
+    # The kernels that run one split per program, on a batch past one wave (ragged
     # lengths, empty requests, graph padding rows) with the even plan made the cheapest:
-    # pieces of unequal size, their rows longest first and their partials at their
+    # splits of unequal size, their rows longest first and their partials at their
     # indices, not their rows'. The 64-row kernel's wave is half as many requests (two
     # head groups at N = 128; q_len 2 x N 64).
     monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)

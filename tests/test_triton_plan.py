@@ -18,11 +18,11 @@ from pagedmla.ops.triton.decode_triton import DECODE_CONFIGS, DecodeConfig
 from pagedmla.ops.triton.selection import DecodeKernel, decode_kernels
 from pagedmla.ops.triton.split_plan import (
     EXTRA_WAVES,
-    LONE_WAVE,
     MAX_SPLITS,
     OVERHEAD_TILES,
     PARTIAL_ROWS_PER_ROW,
     STREAM_TILES,
+    TAIL_WAVE,
     WHOLE_WAVES,
     SplitPlan,
     plan_bounds,
@@ -33,27 +33,27 @@ from tests.triton_helpers import (
     TINY_DECODE,
     _assert_even_plan,
     _cu,
-    _pieces,
+    _splits,
     runnable,
 )
 
 
 def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-          forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
-          lone_wave: float = LONE_WAVE) -> tuple[SplitPlan, list[list[int]]]:
+          forced: int | None = None, persistent: bool = False, past_wave_tiles: int = 0,
+          tail_wave: float = TAIL_WAVE) -> tuple[SplitPlan, list[list[int]]]:
     """A plan for lengths `lens` (one query token each), checked for what every plan must
-    be: each request's positions [0, len) covered by its pieces in the order of their
-    partial indices, which are consecutive, each piece of whole tiles but the last, at
-    most max_pieces pieces, each row with its request's seq_len, first token and q_len;
+    be: each request's positions [0, len) covered by its splits in the order of their
+    partial indices, which are consecutive, each split of whole tiles but the last, at
+    most max_splits splits, each row with its request's seq_len, first token and q_len;
     every request once; the partial indices of the used rows a permutation of them, and
     the rows in their order (or, in the even plan, longest first); the other rows idle;
     the cut requests listed in the order of their partials, with their first; program
-    p's pieces the rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent
+    p's splits the rows starts[p] .. starts[p + 1] - 1 (row p alone but in a persistent
     plan). Returns the plan and its used rows."""
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_splits(seq_lens, _cu([1] * len(lens)), head_groups, max(lens), slots,
                        cfg.block_n, cfg.min_chunk, cfg.block_h, forced, persistent,
-                       past_overhead, lone_wave)
+                       past_wave_tiles, tail_wave)
     work = plan.work.tolist()
     starts = plan.starts.tolist()
     assert len(starts) == plan.programs + 1 and starts[0] == 0
@@ -70,7 +70,7 @@ def _plan(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
     while at < taken:
         b, count = by_partial[at][0], by_partial[at][3]
         n = lens[b]
-        assert 1 <= count <= plan.max_pieces
+        assert 1 <= count <= plan.max_splits
         rows = by_partial[at:at + count]
         assert all(r[0] == b and r[3] == count and r[4:7] == [n, b, 1] for r in rows)
         assert rows[0][1] == 0 and rows[-1][2] == n
@@ -94,65 +94,61 @@ def _decode_entry(name: str) -> DecodeKernel:
     return next(entry for entry in table if entry.name == name)
 
 
-def _tiles(piece: list[int], block_n: int) -> int:
-    return -(-(piece[2] - piece[1]) // block_n)
+def _tiles(split: list[int], block_n: int) -> int:
+    return -(-(split[2] - split[1]) // block_n)
 
 
 @runnable
 def test_split_plan_uniform_batches() -> None:
-    # H200: 132 multiprocessors. Uniform batches cut as a host planner would.
+    # 132 multiprocessors (an H200). Uniform batches cut as a host planner would.
     cfg16, cfg64 = DECODE_CONFIGS["rows16"], replace(DECODE_CONFIGS["rows64"], block_h=64)
-    # B = 1, N = 128 (two head groups of 64), 64k: 64 pieces of 1024 positions, one wave.
+    # B = 1, N = 128 (two head groups of 64), 64k: 64 splits of 1024 positions, one wave.
     plan, work = _plan([65536], 2, 132, cfg64)
     assert len(work) == 64 and plan.programs == 66
-    # B = 1, N = 16, 128k: a piece per multiprocessor, at most MAX_SPLITS.
+    # B = 1, N = 16, 128k: a split per multiprocessor, at most MAX_SPLITS.
     plan, work = _plan([131072], 1, 132, cfg16)
     assert 0.9 * 132 <= len(work) <= MAX_SPLITS
-    # B = 64 x 2k: two pieces each (128 programs of 16 tiles).
+    # B = 64 x 2k: two splits each (128 programs of 16 tiles).
     plan, work = _plan([2048] * 64, 1, 132, cfg16)
     assert len(work) == 128 and max(_tiles(w, 64) for w in work) == 16
     # A wave of requests: none is cut, and the combine has nothing to do.
     plan, work = _plan([8192] * 128, 1, 132, cfg16)
     assert len(work) == 128
     # Its last wave is nearly full (124 of 132), so it stays whole and its grid leaves one
-    # wave of room for cut pieces, not EXTRA_WAVES.
+    # wave of room for cut splits, not EXTRA_WAVES.
     plan, work = _plan([4096] * 256, 1, 132, cfg16)
     assert len(work) == 256 and plan.programs == 256 + 132
     # Just past a wave, a second wave of whole requests would run 8 of them alone for
-    # as long as the first. Priced for the fp8 16-row kernel (one piece per program,
-    # bound by its chains: each piece pays its start, and a partial wave runs hardly
+    # as long as the first. Costed for the fp8 16-row kernel (one split per program,
+    # bound by its chains: each split pays its start, and a partial wave runs hardly
     # faster than a full one), the batch takes the even plan: runs of 68 tiles, each a
-    # whole request and 4 tiles of the next, their pieces a program each, longest first
-    # (140 x 4k on an H200: 148.8 us whole, 122.0 in three waves of 2 or 3 pieces per
-    # request, 106.6 so; session 41).
+    # whole request and 4 tiles of the next, their splits a program each, longest first.
     fp8_kernel = _decode_entry("decode_hopper_fp8")
-    fp8 = {"past_overhead": fp8_kernel.past_wave_tiles, "lone_wave": fp8_kernel.tail_wave}
+    fp8 = {"past_wave_tiles": fp8_kernel.past_wave_tiles, "tail_wave": fp8_kernel.tail_wave}
     plan, work = _plan([4096] * 140, 1, 132, cfg16, **fp8)
     assert plan.programs == 140 + EXTRA_WAVES * 132
     assert len(work) == 263 and [_tiles(w, 64) for w in work[:9]] == [64] * 9
     assert any(w[7] != i for i, w in enumerate(work))  # rows out of their partials' order
-    # Short requests too: 133 x 1088 in runs of 18 tiles (48.3 us; 54.8 in two waves of
-    # 1 or 2 pieces per request). At 170 x 1088 (runs of 22 tiles, 294 pieces) the
-    # busiest slot would run three programs: two waves of 1 or 2 pieces per request
-    # (56.0 us; 58.5 the even plan).
+    # Short requests too: 133 x 1088 in runs of 18 tiles. At 170 x 1088 (runs of 22
+    # tiles, 294 splits) the busiest slot would run three programs: two waves of 1 or 2
+    # splits per request.
     plan, work = _plan([1088] * 133, 1, 132, cfg16, **fp8)
     assert len(work) == 251 and max(_tiles(w, 64) for w in work) == 17
     plan, work = _plan([1088] * 170, 1, 132, cfg16, **fp8)
-    assert sorted(set(_pieces(work))) == [1, 2] and len(work) == 2 * 132
+    assert sorted(set(_splits(work))) == [1, 2] and len(work) == 2 * 132
     assert all(w[7] == i for i, w in enumerate(work))
-    # A uniform batch that nearly fills its second wave stays whole (256 x 4k: 163.6 us;
-    # the even plan 173.3).
+    # A uniform batch that nearly fills its second wave stays whole.
     plan, work = _plan([4096] * 256, 1, 132, cfg16, **fp8)
     assert len(work) == 256
     # A last wave of whole requests filled to 0.67 (220 requests) leaves EXTRA_WAVES of
-    # room for finer pieces where a partial wave is priced above that (fp8: 0.9), one
-    # wave where it is priced below (a memory-bound kernel's 0.6).
+    # room for finer splits where a partial wave is costed above that (fp8: 0.9), one
+    # wave where it is costed below (a memory-bound kernel's 0.6).
     assert plan_bounds(220, 1, 4096, 132, 64, cfg16.min_chunk)[0] == 220 + 132
-    assert (plan_bounds(220, 1, 4096, 132, 64, cfg16.min_chunk, lone_wave=0.9)[0]
+    assert (plan_bounds(220, 1, 4096, 132, 64, cfg16.min_chunk, tail_wave=0.9)[0]
             == 220 + EXTRA_WAVES * 132)
-    # Pieces never go below min_chunk positions: short requests stay whole.
+    # Splits never go below min_chunk positions: short requests stay whole.
     plan, work = _plan([100, 0, 255], 1, 132, cfg16)
-    assert len(work) == 3 and plan.max_pieces == 1
+    assert len(work) == 3 and plan.max_splits == 1
 
 
 def _random_lens(gen: torch.Generator, fewest: int) -> list[int]:
@@ -182,15 +178,15 @@ def test_split_plan_on_random_batches() -> None:
 
 
 def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfig,
-                 programs: int, max_pieces: int, past_overhead: int = 0,
-                 lone_wave: float = LONE_WAVE, one_per_program: bool = False,
+                 programs: int, max_splits: int, past_wave_tiles: int = 0,
+                 tail_wave: float = TAIL_WAVE, one_per_program: bool = False,
                  ) -> tuple[float, list[int], bool] | None:
     """The plan by the rule `split_plan`'s docstring states, worked out here in float64
-    within the plan's bounds (programs, max_pieces): (the cheapest candidate's cost,
-    each request's piece count, whether it is the even plan); None where two candidates
-    sit at a margin, which float32 may round either way. past_overhead and lone_wave: the
-    stage-1 kernel's cost of a piece past one wave and of a last partial wave there
-    (`plan_splits`); one_per_program: the kernel runs a piece per program, so that the
+    within the plan's bounds (programs, max_splits): (the cheapest candidate's cost,
+    each request's split count, whether it is the even plan); None where two candidates
+    sit at a margin, which float32 may round either way. past_wave_tiles and tail_wave: the
+    stage-1 kernel's cost of a split past one wave and of a last partial wave there
+    (`plan_splits`); one_per_program: the kernel runs a split per program, so that the
     even plan is a candidate past one wave."""
     tiles = [-(-n // cfg.block_n) for n in lens]
     t_max, empty = max(tiles), tiles.count(0)
@@ -201,18 +197,18 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
 
     def waves(count: int) -> float:
         full, rest = divmod(count * head_groups, slots)
-        return full + ((max(lone_wave, rest / slots) if past_wave else 1) if rest else 0)
+        return full + ((max(tail_wave, rest / slots) if past_wave else 1) if rest else 0)
 
-    def evened(t: int, n: int) -> int:  # pieces of equal whole-tile size
+    def evened(t: int, n: int) -> int:  # splits of equal whole-tile size
         return -(-t // -(-t // n)) if t else 1
 
-    candidates = []  # (cost, pieces, is uniform, layout)
-    for s in range(1, max_pieces + 1):
+    candidates = []  # (cost, splits, is uniform, layout)
+    for s in range(1, max_splits + 1):
         size = max(-(-t_max // s), min_tiles)
         layout = [evened(t, -(-t // size)) for t in tiles]
         count = sum(layout) - empty
         if count + empty <= programs:
-            overhead = ((past_overhead if past_wave else OVERHEAD_TILES)
+            overhead = ((past_wave_tiles if past_wave else OVERHEAD_TILES)
                         + (partial if count > live else 0))
             candidates.append((waves(count) * (size + overhead), count, 0, layout))
     total, goal = sum(tiles), -(-slots // head_groups)
@@ -220,21 +216,21 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
         share = [0, *itertools.accumulate(tiles)]
         layout = [evened(t, max(1, min(
             math.floor(share[b + 1] * k * goal / total + 0.5)
-            - math.floor(share[b] * k * goal / total + 0.5), max_pieces, t // min_tiles)))
+            - math.floor(share[b] * k * goal / total + 0.5), max_splits, t // min_tiles)))
             for b, t in enumerate(tiles)]
         count = sum(layout) - empty
         if count + empty <= programs:
             mean = total / count
             largest = max(-(-t // n) for t, n in zip(tiles, layout) if t)
-            per_piece = past_overhead + (partial if count > live else 0)
-            cost = waves(count) * (mean + per_piece) + largest - mean
+            per_split = past_wave_tiles + (partial if count > live else 0)
+            cost = waves(count) * (mean + per_split) + largest - mean
             candidates.append((cost, count, 1, layout))
     best = min(c[0] for c in candidates)
     if any(abs(c[0] * 0.97 - best) < 1e-5 * best for c in candidates):
         return None
     if one_per_program and past_wave:
-        # The even plan: the persistent plan's runs for one wave of programs, their pieces
-        # a program each; the busiest slot runs ceil(pieces x head_groups / slots).
+        # The even plan: the persistent plan's runs for one wave of programs, their splits
+        # a program each; the busiest slot runs ceil(splits x head_groups / slots).
         runs = _stream_runs(lens, goal, cfg.block_n)
         layout = [0] * len(lens)
         for run in runs:
@@ -242,8 +238,8 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
                 layout[b] += 1
         count = sum(n for n, t in zip(layout, tiles) if t)
         share = -(-sum(max(t, 1) for t in tiles) // goal)
-        cost = share + STREAM_TILES + -(-count * head_groups // slots) * (past_overhead + partial)
-        if max(layout) <= max_pieces and sum(layout) <= programs:
+        cost = share + STREAM_TILES + -(-count * head_groups // slots) * (past_wave_tiles + partial)
+        if max(layout) <= max_splits and sum(layout) <= programs:
             if abs(cost - best) < 1e-5 * best:
                 return None
             if cost < best:
@@ -252,13 +248,13 @@ def _rule_choice(lens: list[int], head_groups: int, slots: int, cfg: DecodeConfi
             False)
 
 
-def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[int] | None:
+def _rule_order(lens: list[int], splits: list[int], cfg: DecodeConfig) -> list[int] | None:
     """The order of the requests' programs by `split_plan`'s docstring: those whose
-    pieces are at least the mean piece first, then the others, each in request order;
-    None where a piece is within float32's reach of the mean."""
+    splits are at least the mean split first, then the others, each in request order;
+    None where a split is within float32's reach of the mean."""
     tiles = [-(-n // cfg.block_n) for n in lens]
-    steps = [-(-t // n) if t else 0 for t, n in zip(tiles, pieces)]
-    mean = sum(tiles) / max(1, sum(n for t, n in zip(tiles, pieces) if t))
+    steps = [-(-t // n) if t else 0 for t, n in zip(tiles, splits)]
+    mean = sum(tiles) / max(1, sum(n for t, n in zip(tiles, splits) if t))
     if any(abs(step - mean) < 1e-3 for step in steps):
         return None
     big = [b for b, step in enumerate(steps) if step >= mean]
@@ -267,14 +263,14 @@ def _rule_order(lens: list[int], pieces: list[int], cfg: DecodeConfig) -> list[i
 
 @runnable
 @pytest.mark.parametrize("kernel", ["decode_hopper", "decode_hopper_fp8", "decode_hopper_heads"])
-def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
-    # The plan kernel's choices (each request's pieces, the requests' order) against the
+def test_split_plan_costs_waves_as_documented(kernel: str) -> None:
+    # The plan kernel's choices (each request's splits, the requests' order) against the
     # rule worked out in Python: batches around one and two waves of 132 (uniform, and
     # with graph padding rows), then fresh random ones (1-300 requests, 0-200k
-    # positions, 1-2 head groups); under each stage-1 kernel's prices past a wave (a
-    # piece's start, a last partial wave). The seed is printed.
+    # positions, 1-2 head groups); under each stage-1 kernel's costs past a wave (a
+    # split's start, a last partial wave). The seed is printed.
     entry = _decode_entry(kernel)
-    prices = (entry.past_wave_tiles, entry.tail_wave)
+    costs = (entry.past_wave_tiles, entry.tail_wave)
     cfg16 = DECODE_CONFIGS["rows16"]
     cases = [([n] * b, 1) for n in (1088, 4096) for b in (100, 132, 133, 200, 256, 300)]
     cases += [([1088] * 132 + [0] * 12, 1), ([4096] * 70, 2), ([131072] + [4096] * 199, 1)]
@@ -287,19 +283,19 @@ def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
     checked = 0
     kinds = set()
     for lens, groups in cases:
-        plan, work = _plan(lens, groups, 132, cfg16, None, False, *prices)
-        choice = _rule_choice(lens, groups, 132, cfg16, plan.programs, plan.max_pieces,
-                              *prices, one_per_program=True)
-        if choice is not None and choice[2]:  # the even plan: its pieces, longest first
+        plan, work = _plan(lens, groups, 132, cfg16, None, False, *costs)
+        choice = _rule_choice(lens, groups, 132, cfg16, plan.programs, plan.max_splits,
+                              *costs, one_per_program=True)
+        if choice is not None and choice[2]:  # the even plan: its splits, longest first
             kinds.add("even")
-            want = [piece for run in _stream_runs(lens, -(-132 // groups), cfg16.block_n)
-                    for piece in run]
+            want = [split for run in _stream_runs(lens, -(-132 // groups), cfg16.block_n)
+                    for split in run]
             assert sorted(row[:3] for row in work) == sorted(want), (len(lens), groups)
             checked += 1
         elif choice is not None:
             kinds.add("scored")
             want = choice[1]
-            assert _pieces(work) == want, (len(lens), groups, max(lens))
+            assert _splits(work) == want, (len(lens), groups, max(lens))
             order = _rule_order(lens, want, cfg16)
             firsts = [row[0] for i, row in enumerate(work) if i == 0 or work[i - 1][0] != row[0]]
             assert order is None or firsts == order, (len(lens), groups, max(lens))
@@ -311,7 +307,7 @@ def test_split_plan_prices_waves_as_documented(kernel: str) -> None:
 def test_split_plan_follows_the_lengths() -> None:
     # One long request among short ones: it is cut finely enough that no program holds
     # much more than a fair share of the batch's tiles (a plan from max_seq_len alone,
-    # the same pieces per request, gave the long request's 2 programs 1024 tiles each).
+    # the same splits per request, gave the long request's 2 programs 1024 tiles each).
     cfg16 = DECODE_CONFIGS["rows16"]
     lens = [131072] + [2048] * 63
     _, work = _plan(lens, 1, 132, cfg16)
@@ -320,22 +316,22 @@ def test_split_plan_follows_the_lengths() -> None:
     # A batch past one wave: the long request is cut, the short ones are not.
     lens = [131072] + [4096] * 199
     _, work = _plan(lens, 1, 132, cfg16)
-    counts = _pieces(work)
+    counts = _splits(work)
     assert counts[0] > 1 and set(counts[1:]) == {1}
     assert max(_tiles(w, 64) for w in work) <= 64
-    # Graph padding rows (seq_len 0) get one empty piece; a forced count is honoured.
+    # Graph padding rows (seq_len 0) get one empty split; a forced count is honoured.
     _, work = _plan([0, 700, 0], 1, 4, TINY_DECODE, forced=7)
-    assert _pieces(work) == [1, 7, 1]
+    assert _splits(work) == [1, 7, 1]
     # Their programs exit at once, so they count in no wave: a wave of requests stays
-    # one wave, uncut, when a graph pads it past the multiprocessors (they used to push
-    # the plan to two pieces per request).
+    # one wave, uncut, when a graph pads it past the multiprocessors (rather than push
+    # the plan to two splits per request).
     for padding in (0, 12, 68):
         plan, work = _plan([1100] * 132 + [0] * padding, 1, 132, cfg16)
-        assert _pieces(work) == [1] * (132 + padding) and plan.cut[0, 0] == -1
+        assert _splits(work) == [1] * (132 + padding) and plan.cut[0, 0] == -1
 
 
 def _stream_runs(lens: list[int], programs: int, block_n: int) -> list[list[list[int]]]:
-    """Each program's pieces [request, lo, hi] by the persistent rule `split_plan`'s
+    """Each program's splits [request, lo, hi] by the persistent rule `split_plan`'s
     docstring states, worked out here by walking the tiles: the batch's tiles in request
     order, an empty request weighing one tile, runs of ceil(total / programs) tiles."""
     weights = [max(1, -(-n // block_n)) for n in lens]
@@ -355,7 +351,7 @@ def _stream_runs(lens: list[int], programs: int, block_n: int) -> list[list[list
 
 @runnable
 def test_split_plan_persistent_runs() -> None:
-    # A kernel that runs several pieces per program gets a grid of a program per
+    # A kernel that runs several splits per program gets a grid of a program per
     # request for a batch past one wave, and the plan takes, by the rule worked out in
     # Python, either the scored plan (whole requests, one per program) or the
     # persistent one: one wave of programs that each take an even run of the batch's
@@ -377,7 +373,7 @@ def test_split_plan_persistent_runs() -> None:
         assert plan.programs == len(lens) and plan.rows == len(lens) + 132
         tiles = [-(-n // 64) for n in lens]
         share = -(-sum(max(t, 1) for t in tiles) // 132)
-        choice = _rule_choice(lens, 1, 132, cfg16, plan.programs, plan.max_pieces)
+        choice = _rule_choice(lens, 1, 132, cfg16, plan.programs, plan.max_splits)
         if choice is None or abs(share + STREAM_TILES - choice[0]) < 1e-3 * share:
             continue
         starts = plan.starts.tolist()
@@ -388,10 +384,10 @@ def test_split_plan_persistent_runs() -> None:
             assert runs == [*_stream_runs(lens, 132, 64), *[[]] * (plan.programs - 132)]
         else:
             kinds.add("scored")
-            assert _pieces(work) == choice[1], (len(lens), max(lens))
+            assert _splits(work) == choice[1], (len(lens), max(lens))
             assert starts == [min(p, len(work)) for p in range(plan.programs + 1)]
     assert kinds == {"persistent", "scored"}
-    # A batch within one wave keeps the scored plan's grid, as does a forced piece count.
+    # A batch within one wave keeps the scored plan's grid, as does a forced split count.
     for lens, forced in (([4096] * 132, None), ([4096] * 140, 2)):
         plan, _ = _plan(lens, 1, 132, cfg16, forced, persistent=True)
         assert plan.rows == plan.programs

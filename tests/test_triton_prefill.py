@@ -109,10 +109,9 @@ def test_prefill_selection_falls_back_when_cudnn_refuses(monkeypatch: pytest.Mon
 @runnable
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_without_any_key(causal: bool) -> None:
-    # k and v empty (no sequence has a key): out 0 and lse -inf. On a Hopper GPU (these
-    # widths and float16 take the Gluon kernel) the copy descriptors refused the empty k
-    # with a bare assertion until the op learned to run no kernel then; found by
-    # tests/test_triton_random.py.
+    # k and v empty (no sequence has a key): out 0 and lse -inf, and no kernel runs. On
+    # a Hopper GPU these widths and float16 would take the Gluon kernel, whose copy
+    # descriptors cannot describe an empty k.
     for fn in (varlen_attention, prefill_attention):
         out, _ = _check_varlen([3, 0, 5], [0, 0, 0], 2, 192, 128, torch.float16, causal,
                                seed=131, fn=fn)

@@ -17,7 +17,7 @@ What the interpreter (Triton 3.9) cannot check, and why
   itself when interpreted (SOFTWARE_ROUND); on the GPU the hardware conversion is used,
   and test_write_cache_gpu_fp8_bits checks it bit for bit against torch.
 * Races between warps of one program (the interpreter runs a program as one numpy
-  step): the in-place merge race found on an H200 is covered by test_merge_gpu_bf16.
+  step): the in-place merge's race between warps is covered by test_merge_gpu_bf16.
 * The warp-specialized Gluon kernels for Hopper (decode_hopper, decode_hopper_heads,
   prefill_hopper): the interpreter does not run Gluon (TMA, mbarriers, wgmma, warp
   partitions). On the CPU only their dispatch rules are tested (which calls each takes,
@@ -96,8 +96,7 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 2e-3}
 # lse of the fp8 16-row kernel, which multiplies e4m3 terms of q (within 2^-8 of each
 # entry, about one more bf16 rounding of q): its scores, and so lse, are within ~2^-8 of
-# their size, 2.5e-3 at most in these tests' scores of size ~1 (session 17's kernel on
-# an H200; session 18's adds the terms' products in one accumulator, with less error).
+# their size, 2.5e-3 at most in these tests' scores of size ~1.
 E4M3_PRODUCTS_LSE_ATOL = 6e-3
 
 
@@ -218,7 +217,7 @@ def _check_past_wave(block_size: int, config: DecodeConfig, seed: int,
 
 
 def _assert_persistent_plan(plan: SplitPlan) -> None:
-    """The plan is a persistent one: some program runs several pieces."""
+    """The plan is a persistent one: some program runs several splits."""
     assert any(b - a > 1 for a, b in itertools.pairwise(plan.starts.tolist()))
 
 
@@ -230,8 +229,8 @@ def _assert_even_plan(plan: SplitPlan) -> None:
     assert sizes == sorted(sizes, reverse=True)
 
 
-def _pieces(work: list[list[int]]) -> list[int]:
-    """The piece count of each request (in request order) of a plan's used work rows."""
+def _splits(work: list[list[int]]) -> list[int]:
+    """The split count of each request (in request order) of a plan's used work rows."""
     return [count for _, count in sorted({row[0]: row[3] for row in work}.items())]
 
 

@@ -24,9 +24,9 @@ _INTERPRETER_SMS = 4
 
 # The Triton release (major, minor) the Gluon kernels are written for. Gluon's API is
 # experimental and changes with each release: built for sm_90a without a GPU
-# (benchmarks/compile_sm90.py, session 38), the kernels fail with 3.5 (no
-# `gl.num_warps`), 3.7 and 3.8 (no `gl.thread_barrier`) and 3.9 (the bulk copies
-# renamed). With any other release the Triton kernels run on Hopper too.
+# (benchmarks/compile_sm90.py), the kernels do not build with 3.5 (no `gl.num_warps`),
+# 3.7 and 3.8 (no `gl.thread_barrier`) or 3.9 (the bulk copies renamed). With any other
+# release the Triton kernels run on Hopper too.
 GLUON_TRITON = (3, 6)
 
 

@@ -31,7 +31,7 @@ COMBINE_PROGRAMS_PER_SM = 32  # the combine grid's cap (`combine_entries`)
 @triton.jit
 def _combine_entry(cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS: tl.constexpr,
                    INSIDE: tl.constexpr):
-    """Entry `entry` of the combine, for its token t: (its first piece, its piece count,
+    """Entry `entry` of the combine, for its token t: (its first split, its split count,
     first token, q_len, the partials' token index); count 0 past the last entry (a
     check left out where the entry is known to be INSIDE the list)."""
     if ALL_SPLITS:  # entry k is token k, with every split, at its own index
@@ -53,10 +53,10 @@ def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_beg
                stride_pt, stride_ph, stride_ps, stride_st, stride_sh, stride_ss,
                stride_ot, stride_oh, stride_lh, stride_lt,
                L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge one row's `count` pieces (partials first .. first + count - 1) by lse into
+    """Merge one row's `count` splits (partials first .. first + count - 1) by lse into
     its output columns `cols` and lse; nothing past the entry's q_len (nor for count 0).
-    Pieces are taken BLOCK_S at a time in one online pass, each chunk's lse and partials
-    loaded together; a piece with lse -inf or +inf (no visible key) was not written and
+    Splits are taken BLOCK_S at a time in one online pass, each chunk's lse and partials
+    loaded together; a split with lse -inf or +inf (no visible key) was not written and
     gets weight 0 (what was loaded for it is dropped)."""
     used = tl.where(t < q_len, count, 0)  # tokens past this request's q_len: nothing
     token = (q_begin + t).to(tl.int64)
@@ -102,16 +102,16 @@ def _decode_combine_kernel(
     L: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ALL_SPLITS: tl.constexpr,
     LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One (column block, row, entry): merge the row's pieces by lse (`_merge_row`).
+    """One (column block, row, entry): merge the row's splits by lse (`_merge_row`).
     Rows are head x token (t * num_heads + head), num_rows per entry. The grid is one
     axis, column blocks fastest, then rows, then E entries (the order of a [blocks,
     rows, E] grid, whose second axis would hold at most 65535 rows: 128 heads x 512
     tokens are 65536). LOOP: the grid covers fewer entries than num_entries, and a
-    program goes on to entry + E, + 2E, ... until one has no pieces (a loop that costs
+    program goes on to entry + E, + 2E, ... until one has no splits (a loop that costs
     registers, so only there).
 
     An entry is a row of the split plan's `cut` [num_entries, WORK] (request -1 once the
-    cut requests end: nothing more to do): its pieces are the partials first .. first +
+    cut requests end: nothing more to do): its splits are the partials first .. first +
     count - 1 (stride_ps / stride_ss apart), its tokens 0 .. q_len - 1 (stride_pt /
     stride_st). ALL_SPLITS (decode context parallel partials, `merge_partials`): entry
     k is token k, whose num_splits partials all count, at its own token index; cut is
@@ -152,23 +152,23 @@ def _decode_combine_kernel(
                 cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS, False)
 
 
-def combine_blocks(num_rows: int, entries: int, pieces: int, max_pieces: int, width: int,
+def combine_blocks(num_rows: int, entries: int, splits: int, max_splits: int, width: int,
                    num_sms: int) -> tuple[int, int]:
     """(BLOCK_C, BLOCK_S) of the combine for num_rows rows x `entries` requests of
-    about `pieces` (at most max_pieces) pieces each, `width` columns. One load should
-    take all of a request's pieces (each further chunk is one more round trip), so
-    BLOCK_C x `pieces` (rounded to the nearer power of two: a bound of 66 pieces is
+    about `splits` (at most max_splits) splits each, `width` columns. One load should
+    take all of a request's splits (each further chunk is one more round trip), so
+    BLOCK_C x `splits` (rounded to the nearer power of two: a bound of 66 splits is
     mostly 64 real ones, and sizing for 128 would leave half of every load masked) fits
     COMBINE_ELEMENTS (registers); within that, whole rows per program where that still
     gives two programs per multiprocessor, narrower column blocks where it does not (a
     long request's 128 heads alone)."""
-    typical = next_pow2(pieces)
-    if 2 * pieces * pieces < typical * typical:
+    typical = next_pow2(splits)
+    if 2 * splits * splits < typical * typical:
         typical //= 2
     block_c = max(16, min(next_pow2(width), COMBINE_ELEMENTS // typical))
     while block_c > 16 and num_rows * entries * cdiv(width, block_c) < 2 * num_sms:
         block_c //= 2
-    return block_c, max(1, min(next_pow2(max_pieces), COMBINE_ELEMENTS // block_c))
+    return block_c, max(1, min(next_pow2(max_splits), COMBINE_ELEMENTS // block_c))
 
 
 def combine_entries(per_entry: int, entries: int, num_sms: int) -> int:
@@ -176,12 +176,12 @@ def combine_entries(per_entry: int, entries: int, num_sms: int) -> int:
     `per_entry` programs each: all of them, or as many as fill COMBINE_PROGRAMS_PER_SM
     programs per multiprocessor, its programs then taking further entries in turn.
     Most of a bound past one wave may be idle rows (a batch of whole requests cuts
-    none), and each idle program still costs its launch and one read of its row: at
-    N = 128 (128 rows per entry) 100 x 4k and 140 x 2k whole on an H200 took 2-4% less
-    time so (session 39). Fewer programs per multiprocessor (8, 16) took another ~1 us
-    off batches of whole requests at N = 16 but made 70 x 8k at N = 128, every request
-    cut, 3-6% slower: a program's entries run one after another."""
+    none), and each idle program still costs its launch and one read of its row; fewer
+    programs per multiprocessor would leave long lists of cut requests to few programs,
+    whose entries run one after another. COMBINE_PROGRAMS_PER_SM is tuned with `python
+    -m benchmarks.bench_kernels` (the decode rows at N = 128 and 16)."""
     return max(1, min(entries, cdiv(COMBINE_PROGRAMS_PER_SM * num_sms, per_entry)))
+
 
 def combine_splits(
     part_out: torch.Tensor, part_lse: torch.Tensor, plan: SplitPlan, out: torch.Tensor,
@@ -193,10 +193,10 @@ def combine_splits(
     request. pdl: stage 1 lets the combine launch before it ends (programmatic dependent
     launch)."""
     max_cut = plan.cut.shape[0]
-    # A cut request has about rows / max_cut pieces (every one of the plan's, when one
+    # A cut request has about rows / max_cut splits (every one of the plan's, when one
     # request is cut).
     block_c, block_s = combine_blocks(
-        num_rows, max_cut, min(plan.max_pieces, cdiv(plan.rows, max_cut)), plan.max_pieces,
+        num_rows, max_cut, min(plan.max_splits, cdiv(plan.rows, max_cut)), plan.max_splits,
         L, num_sms)
     per_entry = cdiv(L, block_c) * num_rows
     entries = combine_entries(per_entry, max_cut, num_sms)
@@ -205,7 +205,7 @@ def combine_splits(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        out.shape[1], plan.max_pieces, num_rows, max_cut,
+        out.shape[1], plan.max_splits, num_rows, max_cut,
         L=L, BLOCK_C=block_c, BLOCK_S=block_s, ALL_SPLITS=False, LOOP=entries < max_cut,
         PDL=pdl,
         num_warps=COMBINE_WARPS, launch_pdl=pdl,

@@ -71,7 +71,7 @@ def mla_decode(
     made once; a CUDA graph captured with the plan already in `plans` reads the plan's
     tensors at every replay, so the dict must outlive the graph. Stage 1 is the first
     kernel of the decode table (`selection`) that supports the call; `config` runs the
-    portable Triton kernel with those launch parameters instead, and num_splits (pieces
+    portable Triton kernel with those launch parameters instead, and num_splits (splits
     of the longest request) overrides the plan (tuning, tests).
     """
     check_device(q, data)
@@ -108,23 +108,23 @@ def mla_decode(
     slots = num_sms * cfg.programs_per_sm
     min_chunk = cfg.min_chunk_for(num_reqs)
     persistent = kernel.persistent
-    past_tiles, lone_wave = kernel.past_wave_tiles, kernel.tail_wave
+    past_wave_tiles, tail_wave = kernel.past_wave_tiles, kernel.tail_wave
     key = (seq_lens.data_ptr(), num_reqs, head_groups, max_seq_len, slots, block_n,
-           min_chunk, block_h, num_splits, persistent, past_tiles, lone_wave)
+           min_chunk, block_h, num_splits, persistent, past_wave_tiles, tail_wave)
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         plan = plan_splits(seq_lens, query_start_loc, head_groups, max_seq_len, slots,
-                           block_n, min_chunk, block_h, num_splits, persistent, past_tiles,
-                           lone_wave)
+                           block_n, min_chunk, block_h, num_splits, persistent, past_wave_tiles,
+                           tail_wave)
         if plans is not None:
             plans[key] = plan
-    if plan.programs > GRID_YZ_MAX:  # stage 1's pieces are its grid's second axis
+    if plan.programs > GRID_YZ_MAX:  # stage 1's splits are its grid's second axis
         raise ValueError(f"seq_lens: a batch of {num_reqs} requests takes {plan.programs} "
                          f"stage-1 programs, more than the {GRID_YZ_MAX} a launch allows; "
                          "split the batch")
-    # Partials of cut requests [token, head, piece, ..]: a row's pieces are adjacent, so
+    # Partials of cut requests [token, head, split, ..]: a row's splits are adjacent, so
     # the combine reads each row's in one contiguous stretch.
-    cut = plan.max_pieces > 1
+    cut = plan.max_splits > 1
     part_out = (torch.empty(max_query_len, num_heads, plan.rows, L, dtype=torch.float32,
                             device=q.device) if cut else out)
     part_lse = (torch.empty(max_query_len, num_heads, plan.rows, dtype=torch.float32,

@@ -1,6 +1,6 @@
 """Stage 1 of paged latent decode on Hopper for many query rows: 64 heads per program.
 
-Same contract as `decode._decode_partial_kernel` (one program per head group and piece
+Same contract as `decode_triton._decode_partial_kernel` (one program per head group and split
 of a request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
 data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8; with
@@ -21,9 +21,9 @@ The score warpgroup starts on tile i + 1 while the output warpgroups multiply ti
 so the tensor cores always hold both kinds of product. With a 16-bit cache the score
 warpgroup holds q's first latent half in registers as the A operand of S's first
 product: S reads both operands from shared memory otherwise, and at N = 64 that takes
-all of shared memory's bandwidth (session 11: 1-8% faster). q (72 KB), the ring (2 x 72 KB)
-and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded by a
-`p_ready` / `p_free` mbarrier pair.
+all of shared memory's bandwidth. q (72 KB), the ring (2 x 72 KB) and P (8 KB) fill 224
+of the 227 KB of shared memory; P has one buffer, guarded by a `p_ready` / `p_free`
+mbarrier pair.
 
 An fp8 cache needs its tiles widened to 16 bits before either product (Hopper's 8-bit
 wgmma takes only K-major operands, and V is not). There is no room for an e4m3 staging
@@ -330,17 +330,17 @@ def _decode_heads_kernel(
     PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr, Q_EXP: gl.constexpr,
     RAW_EXP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One (head group of BLOCK_H rows, piece), as `decode._decode_partial_kernel`. A
+    """One (head group of BLOCK_H rows, split), as `decode_triton._decode_partial_kernel`. A
     16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
     rope_desc ([TILE_N, R] boxes) over the cache viewed as [pages x PAGE, L + R] rows;
     an fp8 cache is read as uint8 codes through codes_ptr (row stride stride_cp, pages
     PAGE_ROWS rows apart), the descriptors None, and PF_ROWS rows per L2 request
-    (`_prefetch_rows`). Pieces start at multiples of TILE_N (the split plan's tile).
+    (`_prefetch_rows`). Splits start at multiples of TILE_N (the split plan's tile).
     num_warps = 8: the two output warpgroups."""
     HALF_L: gl.constexpr = L // 2
-    (group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
+    (group, splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
      partial) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
-    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+    if splits == 0:  # past the plan's splits: exit before any set-up (`split_plan`)
         return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
@@ -425,8 +425,8 @@ def _decode_heads_kernel(
                    (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - Q_EXP) * 0.6931471805599453,
                    float("-inf"))  # natural log
     # Stored from a row-contiguous layout (a warp's store covers 128 columns of one
-    # row), through shared memory: straight from the mma layout each store touched
-    # eight rows, 32 bytes of each (2-3% slower where a request is one piece).
+    # row), through shared memory: straight from the mma layout each store would touch
+    # eight rows, 32 bytes of each.
     store: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     out_a = gl.convert_layout(acc_a * norm[:, None], store)
     out_b = gl.convert_layout(acc_b * norm[:, None], store)
@@ -434,7 +434,7 @@ def _decode_heads_kernel(
     lse = gl.convert_layout(lse, gl.SliceLayout(1, store))
     row_ok = r_out < num_rows
     out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, store))
-    if pieces == 1:
+    if splits == 1:
         token = (q_begin + r_out // num_heads).to(gl.int64)
         head = (r_out % num_heads).to(gl.int64)
         out_rows = out_ptr + token * stride_ot + head * stride_oh
@@ -460,11 +460,11 @@ def decode_partial(
     L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, plan.programs),
-    head_groups = ceil(N * max_query_len / BLOCK_H), a piece of the split plan per
+    head_groups = ceil(N * max_query_len / BLOCK_H), a split of the split plan per
     program.
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
-    [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out
+    [] float32); out [T, N, L] and lse [N, T] for requests in one split, part_out
     [.., plan.rows, L] and part_lse float32 for the others' partials (as
     `decode.mla_decode`)."""
     is_fp8 = data.dtype == FP8_DTYPE

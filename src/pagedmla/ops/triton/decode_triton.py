@@ -44,13 +44,15 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of stage 1 for one regime (rows per program, cache dtype).
+    """The portable kernel's launch parameters for one regime (query rows per request,
+    cache dtype), and the split plan's bounds in that regime.
 
     block_h: query rows (heads x tokens) per program; block_n: positions per tile;
-    min_chunk: fewest positions a piece covers (bounds the partial-output traffic per
+    min_chunk: fewest positions a split covers (bounds the partial-output traffic per
     byte of cache read); few_min_chunk: min_chunk instead for batches of at most
     FEW_REQUESTS requests (None: the same); programs_per_sm: programs one multiprocessor
-    holds at once, for the split plan; swap_ab: compute S^T = K Q^T and O^T = V^T P^T
+    holds at once, for the split plan (these three bound the plan whichever stage-1
+    kernel runs the regime); swap_ab: compute S^T = K Q^T and O^T = V^T P^T
     (positions as the MMA's M dimension), which suits few heads per program (see the
     kernel); paged: copy whole tiles with the bulk tensor copy engine (TMA) where the
     page size and layout allow (see `_page_descriptors`), else gather rows through the
@@ -78,41 +80,22 @@ class DecodeConfig:
         return self.min_chunk
 
 
-# Keyed by regime; try variants by passing `config=` (`benchmarks/bench_kernels.py
-# --sweep-configs decode` times a set of them). Chosen from sweeps on an H200 (Triton
-# 3.6, CUDA-graph replay, 64-token pages so that tiles are copied in bulk):
-# * rows16 (N * q_len <= 16, memory-bound): swapped products (wgmma with M = 64
-#   positions), one warpgroup, two stages of 64-position tiles (168 KB of shared
-#   memory): 3.2 TB/s at B = 128, N = 16, 8k; 8 warps 2.4, the direct form 3.0, the
-#   row gather 2.4.
-# * rows32: the same form: 2.66 TB/s at B = 128, N = 32, 8k (8 warps: 1.78).
-# * rows64 (N >= 64): direct form; the [64, 512] float32 accumulator needs 8 warps
-#   (128 registers per thread); two stages of 64-position tiles plus q fill 221 KB:
-#   273-287 TFLOP/s at N = 128, B = 64-128, 4k-8k.
+# Keyed by regime (`pick_config`); tuned with `python -m benchmarks.bench_kernels
+# --sweep-configs decode` (CUDA-graph replays, 64-token pages so that tiles are copied in
+# bulk), and any variant can be run by passing `config=` to `decode.mla_decode`:
+# * rows16 (N * q_len <= 16, memory-bound): the swapped products (wgmma with M = 64
+#   positions), one warpgroup, two stages of 64-position tiles (168 KB of shared memory).
+# * rows32: the same form.
+# * rows64 (N >= 64): the direct form; the [64, 512] float32 accumulator needs 8 warps
+#   (128 registers per thread); two stages of 64-position tiles plus q fill 221 KB.
 # * prefetch: with two stages only one tile per SM is in flight; asking L2 for the tile
-#   `prefetch` tiles ahead adds more: rows16 379 -> 344 us at B = 128, 8k (1 ahead; 2 and
-#   3 ahead were slower), rows64 267 -> 253 us at B = 64, N = 128, 4k (2 ahead), fp8
-#   rows16 504 -> 472 us (2 ahead). Not measured for rows32: off there.
-# * fp8: the tile is widened to float16 in registers, which the direct form with 8
-#   warps does with the fewest spills; still slower than bf16 (see docs/PERFORMANCE.md).
-#   With 64 rows the bulk copies lose to the gather (340 vs 621 us at B = 64, 4k).
-# * hopper: the Gluon kernels replace these on Hopper GPUs. rows16 (`decode_hopper`, fp8
-#   `decode_hopper_fp8`): B = 128, N = 16, 8k: bf16 344 -> 280 us (4.3 TB/s), fp8 471 ->
-#   266 us (then widening e4m3 tiles; products on e4m3 codes: 231 us, two consumers:
-#   173 us, P V^T on 32 columns and one q load: 166 us). rows32 and
-#   rows64 (`decode_hopper_heads`, 64 rows per program, so 32 rows pad to 64): N = 128,
-#   B = 64 x 4k 250 -> 146 us (501 TFLOP/s), B = 128 x 8k 1010 -> 544 us; N = 32, B =
-#   128 x 8k 457 -> 306 us (4.0 TB/s); N = 16 x q_len 2 464 -> 302 us; fp8 (rows widened
-#   from registers into 64-position tiles) N = 128, B = 64 x 4k 337 -> 207 us, N = 32
-#   683 -> 393 us.
-# * min_chunk of rows64 and rows32: 128 positions (two tiles), where 512 (rows64) left
-#   SMs idle on one short request: B = 1, N = 128 at 4k 30.3 -> 24.1 us, 16k 35.1 ->
-#   30.0, fp8 16k 40.7 -> 31.7; B = 4 x 4k 33.2 -> 29.1; 32k and longer unchanged (64
-#   would gain another 0.6 us at 4k only). rows32 against its 256: B = 1, N = 32, 8k
-#   22.4 -> 20.9, B = 4 x 4k unchanged (rows32-fp8, the same kernel, not timed). rows16
-#   keeps 256 (128 is 1.5-2.5% slower at B = 4 x 8k) except for one or two requests
-#   (few_min_chunk), where 128 is 4-14% faster: bf16 B = 1 x 8k 18.2 -> 16.5 us, fp8
-#   20.5 -> 17.7, B = 2 x 8k 20.5 -> 19.6.
+#   `prefetch` tiles ahead keeps more in flight (off for rows32).
+# * fp8: the tile is widened to float16 in registers, which the direct form with 8 warps
+#   does with the fewest spills; with 64 rows the row gather beats the bulk copies.
+# * min_chunk, few_min_chunk and programs_per_sm bound the split plan in their regime
+#   whichever kernel runs it (the Gluon kernels too, `selection`): 128 positions (two
+#   tiles) for rows32 and rows64, so that one short request still spreads over the SMs;
+#   256 for rows16 but for one or two requests (few_min_chunk, 128).
 DECODE_CONFIGS: dict[str, DecodeConfig] = {
     "rows16": DecodeConfig(16, 64, 4, 2, 256, 1, swap_ab=True, prefetch=1,
                            few_min_chunk=128),
@@ -129,7 +112,8 @@ FEW_REQUESTS = 2  # batches this small use a config's few_min_chunk
 
 
 def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> DecodeConfig:
-    """The stage-1 config for `num_rows` = N * max_query_len query rows per request."""
+    """The regime's config for `num_rows` = N * max_query_len query rows per request, q
+    of `dtype` and an fp8 cache or not."""
     if dtype == torch.float32:
         return DECODE_CONFIGS["fp32"]
     rows = next_pow2(num_rows)
@@ -138,11 +122,11 @@ def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> Deco
 
 
 @triton.jit
-def _load_piece(work_ptr, piece):
-    """(request, lo, hi, the request's piece count, seq_len, first token, q_len, the
-    index of its partial on the partial buffer's piece axis) from row `piece` of a
+def _load_split(work_ptr, split):
+    """(request, lo, hi, the request's split count, seq_len, first token, q_len, the
+    index of its partial on the partial buffer's split axis) from row `split` of a
     split plan's work."""
-    row = work_ptr + WORK_FIELDS * piece
+    row = work_ptr + WORK_FIELDS * split
     return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
             tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7))
 
@@ -312,7 +296,7 @@ def _decode_partial_kernel(
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, num_pieces, softmax_scale,
+    num_heads, num_partials, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
     BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
@@ -320,33 +304,33 @@ def _decode_partial_kernel(
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
     PF_LINE: tl.constexpr,
 ):
-    """One head group of the pieces starts[p] .. starts[p + 1] - 1 (p = program_id(1))
-    of the split plan's work [num_pieces, WORK] (`split_plan`), one after the other:
-    out [BLOCK_H, L] and lse over each piece's positions (`_decode_piece`).
+    """One head group of the splits starts[p] .. starts[p + 1] - 1 (p = program_id(1))
+    of the split plan's work [num_partials, WORK] (`split_plan`), one after the other:
+    out [BLOCK_H, L] and lse over each split's positions (`_decode_split`).
     PAGED: tiles come as bulk copies through latent_desc / rope_desc (host tensor
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
-    through data_ptr. A request in one piece gets its final out [T, N, L] (q dtype) and
+    through data_ptr. A request in one split gets its final out [T, N, L] (q dtype) and
     lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
-    float32 partials, at row (token x N + head) x num_pieces + the piece's partial index
-    (field 7) of part [.., L] and part_lse (a row's pieces adjacent); a row whose piece
+    float32 partials, at row (token x N + head) x num_partials + the split's partial index
+    (field 7) of part [.., L] and part_lse (a row's splits adjacent); a row whose split
     holds no visible key gets lse -inf and no output (the combine never reads it).
     """
     program = tl.program_id(1)
-    for piece in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
-        _decode_piece(
+    for split in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
+        _decode_split(
             q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
-            piece, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh,
+            split, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh,
             stride_db, stride_dp, stride_bt, stride_ot, stride_oh, stride_lt, stride_lh,
-            num_heads, num_pieces, softmax_scale, L, R, PAGE, BLOCK_H, BLOCK_N, HALF_L,
+            num_heads, num_partials, softmax_scale, L, R, PAGE, BLOCK_H, BLOCK_N, HALF_L,
             BLOCK_R, IS_FP8, PRECISION, SWAP_AB, PAGED, COMPUTE, PREFETCH, PF_LINES,
             PF_REST, PF_LINE)
 
 
 @triton.jit
-def _decode_piece(
-    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, piece,
+def _decode_split(
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, split,
     out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh, stride_db, stride_dp,
-    stride_bt, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_pieces,
+    stride_bt, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_partials,
     softmax_scale, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
     BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
@@ -354,9 +338,9 @@ def _decode_piece(
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
     PF_LINE: tl.constexpr,
 ):
-    """Head group program_id(0) of work row `piece` (see `_decode_partial_kernel`)."""
+    """Head group program_id(0) of work row `split` (see `_decode_partial_kernel`)."""
     group = tl.program_id(0)
-    req, lo, hi, pieces, seq_len, q_begin, q_len, partial = _load_piece(work_ptr, piece)
+    req, lo, hi, splits, seq_len, q_begin, q_len, partial = _load_split(work_ptr, split)
     num_rows = q_len * num_heads
 
     rows = group * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -407,9 +391,9 @@ def _decode_piece(
     if PAGED:
         # Whole tiles need no mask (every row is a written slot below hi); only the
         # last, partial tile is zeroed past hi, which takes it through registers. Where
-        # it goes is a register-allocation choice, measured per form on an H200: first
-        # in the swapped form (the accumulators are still empty there, which kept
-        # ptxas from spilling inside the loop), last in the direct form (faster there).
+        # it goes is a register-allocation choice per form: first in the swapped form
+        # (the accumulators are still empty there, which keeps ptxas from spilling
+        # inside the loop), last in the direct form (the faster there).
         full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         if SWAP_AB and full_hi < hi:
             acc_a, acc_b, m_i, l_i = _paged_step(
@@ -454,7 +438,7 @@ def _decode_piece(
     log_l = tl.math.log2(tl.where(has_key, l_i, 1.0))
     lse = tl.where(has_key, (m_i + log_l) * 0.6931471805599453, float("-inf"))  # natural log
 
-    if pieces == 1:
+    if splits == 1:
         token = (q_begin + tok).to(tl.int64)
         out_rows = out_ptr + token * stride_ot + head.to(tl.int64) * stride_oh
         tl.store(out_rows[:, None] + cols[None, :], out_a.to(out_ptr.dtype.element_ty),
@@ -464,7 +448,7 @@ def _decode_piece(
                  mask=row_ok[:, None] & (cols[None, :] + HALF_L < L))
         tl.store(lse_ptr + token * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     else:
-        at = rows.to(tl.int64) * num_pieces + partial
+        at = rows.to(tl.int64) * num_partials + partial
         store_ok = (row_ok & has_key)[:, None]
         tl.store(part_ptr + at[:, None] * L + cols[None, :], out_a,
                  mask=store_ok & (cols[None, :] < L))

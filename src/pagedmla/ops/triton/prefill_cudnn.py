@@ -1,10 +1,10 @@
 """cuDNN's fused attention for prefill batches of equal-length sequences.
 
-Why: on an H200, PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) up to
-1.1x faster than our Gluon kernel (1.1-1.4x than the Triton one) and returns the
-log-sum-exp that the chunked-context merge needs (docs/PERFORMANCE.md). Its ragged entry
-point (`_cudnn_attention_forward` with cumulative lengths) is correct but rebuilds its
-plan on every call, about 50x slower, and gives wrong results with int64 lengths; so
+Why: PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) faster than our
+kernels on Hopper (docs/PERFORMANCE.md) and returns the log-sum-exp that the
+chunked-context merge needs. Its ragged entry point (`_cudnn_attention_forward` with
+cumulative lengths) is correct but rebuilds its plan on every call, and gives wrong
+results with int64 lengths; so
 only batches whose sequences all share one query length and one key length take cuDNN,
 through the dense op on views of the packed tensors. Which batches those are follows
 from host ints alone (B sequences of at most max_len tokens filling T tokens means every

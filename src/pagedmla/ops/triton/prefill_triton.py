@@ -39,10 +39,10 @@ class PrefillConfig:
 
 
 # Keyed by the padded widths of one q row plus one v row (16-bit inputs); float32 uses
-# "fp32". Measured on an H200 (Triton 3.6, N = 16, 8k causal tokens): 128 queries x 128
-# keys with 8 warps (two warpgroups of wgmma) is best where its shared memory fits
-# (q + stages x (k + v) tiles under ~227 KB): 128/128 -> 420 TFLOP/s with 3 stages,
-# 192/128 -> 432 with 2; 256/256 fits only 64 keys x 2 stages (478).
+# "fp32". Tuned with `python -m benchmarks.bench_kernels --sweep-configs prefill` (8k
+# causal tokens): 128 queries x 128 keys with 8 warps (two warpgroups of wgmma) where
+# its shared memory fits (q + stages x (k + v) tiles under ~227 KB): 3 stages at
+# 128/128, 2 at 192/128; 256/256 fits only 64 keys x 2 stages.
 PREFILL_CONFIGS: dict[str, PrefillConfig] = {
     "w<=256": PrefillConfig(128, 128, 8, 3),  # NoPE 128 / 128
     "w<=320": PrefillConfig(128, 128, 8, 2),  # DeepSeek 192 / 128
@@ -52,6 +52,7 @@ PREFILL_CONFIGS: dict[str, PrefillConfig] = {
 
 
 def pick_config(qk_dim: int, v_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """The config for q rows of qk_dim and v rows of v_dim columns of `dtype`."""
     if dtype == torch.float32:
         return PREFILL_CONFIGS["fp32"]
     d1, d2 = split_pow2(qk_dim)

@@ -29,7 +29,7 @@ from pagedmla.ops.triton import decode_triton, prefill_cudnn, prefill_triton
 from pagedmla.ops.triton._utils import Platform, device_platform, next_pow2
 from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
 from pagedmla.ops.triton.prefill_triton import PrefillConfig
-from pagedmla.ops.triton.split_plan import LONE_WAVE
+from pagedmla.ops.triton.split_plan import TAIL_WAVE
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,14 @@ def triton_decode_kernel(config: DecodeConfig, num_rows: int) -> DecodeKernel:
     """The portable Triton kernel (`decode_triton`), the decode table's last entry, run
     with `config` for num_rows query rows per request: as many rows per program as the
     rows need (at least 16, at most config.block_h), config's tile. Memory-bound: a
-    last partial wave costs LONE_WAVE, and a split past one wave nothing more, as its
+    last partial wave costs TAIL_WAVE, and a split past one wave nothing more, as its
     other programs keep the memory busy while one starts."""
     config = replace(config, block_h=min(config.block_h, max(16, next_pow2(num_rows))))
     return DecodeKernel(
         "decode_triton", _any_decode, functools.partial(decode_triton.decode_partial,
                                                         config=config),
         block_h=config.block_h, block_n=config.block_n, persistent=True, past_wave_tiles=0,
-        tail_wave=LONE_WAVE)
+        tail_wave=TAIL_WAVE)
 
 
 @functools.cache  # imported and built once per process
@@ -107,12 +107,12 @@ def _gluon_decode_kernels() -> tuple[DecodeKernel, ...]:
         # cost per split would only make whole requests dearer.
         DecodeKernel("decode_hopper", decode_hopper.supported, decode_hopper.decode_partial,
                      block_h=decode_hopper.BLOCK_H, block_n=decode_hopper.BLOCK_N,
-                     persistent=True, past_wave_tiles=0, tail_wave=LONE_WAVE, gluon=True,
+                     persistent=True, past_wave_tiles=0, tail_wave=TAIL_WAVE, gluon=True,
                      pdl=True),
         # More than 16 query rows per request (17-32 with an fp8 cache whose pages the
         # copy engine cannot fill), 64 rows per program: bound by the tensor cores at
         # N = 128, so a partial wave runs hardly faster than a full one (0.9, tuned with
-        # `python benchmarks/bench_split_plan.py`).
+        # `python benchmarks/bench_split_plan.py --heads 128`).
         DecodeKernel("decode_hopper_heads", decode_hopper_heads.supported,
                      decode_hopper_heads.decode_partial, block_h=decode_hopper_heads.BLOCK_H,
                      block_n=decode_hopper_heads.BLOCK_N, persistent=False,
