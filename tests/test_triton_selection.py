@@ -1,12 +1,14 @@
 """Which kernel runs a call (`ops/triton/selection.py`), on the CPU: the decode and prefill
 tables' choices with the device's facts faked (`Platform`: a Hopper GPU with the Triton
 release the Gluon kernels are written for, a Hopper GPU with another release, another
-GPU, the interpreter), against expectation tables written out here.
+GPU, the interpreter), against expectation tables written out here; and the decode table
+of docs/kernels.md against the code's.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ pytest.importorskip("triton")
 
 import pagedmla.ops.triton as triton_ops
 from pagedmla.ops.triton import prefill_cudnn, selection
-from pagedmla.ops.triton._utils import Platform
+from pagedmla.ops.triton._utils import GLUON_TRITON, Platform
 from pagedmla.ops.triton.decode_triton import DECODE_CONFIGS, pick_config
 from pagedmla.ops.triton.selection import decode_kernel, decode_kernels, prefill_kernel
 from tests.triton_helpers import FP8, TINY_DECODE, _check_decode, _decode_case, runnable
@@ -268,3 +270,66 @@ def test_prefill_table_after_a_cudnn_refusal(monkeypatch: pytest.MonkeyPatch) ->
     prefill_cudnn.refuse(q, k, v)
     assert prefill_kernel(*call, platform=HOPPER).name == "prefill_hopper"
     assert prefill_kernel(*call, platform=OTHER_GPU).name == "prefill_triton"
+
+
+# --- docs/kernels.md's decode table against the code -----------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
+DOC_HEADER = ["GPU", "cache dtype", "query rows per request", "page size", "kernel", "why"]
+# The calls the doc's table is checked on: every platform, a 16-bit cache of q's dtype or
+# fp8, query rows and page sizes either side of each boundary the table draws.
+DOC_PLATFORMS = [HOPPER, HOPPER_NO_GLUON, OTHER_GPU, INTERPRETER]
+DOC_CACHES = [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8"), ("fp16", "fp8")]
+DOC_ROWS = [1, 2, 16, 17, 24, 32, 33, 64, 128]
+DOC_PAGES = [1, 2, 4, 8, 12, 16, 20, 24, 64, 128]
+
+
+def _doc_decode_rows() -> list[list[str]]:
+    """The rows of the table in docs/kernels.md's decode section, as stripped cells."""
+    section = DOC.read_text().split("\n## Decode\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    assert rows[0] == DOC_HEADER and set(rows[1]) == {"---"}
+    return rows[2:]
+
+
+def _doc_matches(row: list[str], platform: Platform, q_dtype: str, cache: str, rows: int,
+                 page: int) -> bool:
+    """Whether a row of the doc's table covers the call (its cells read as the doc
+    states them)."""
+    gpu, cache_cell, rows_cell, page_cell = row[:4]
+    major, minor = GLUON_TRITON
+    if gpu == f"Hopper, Triton {major}.{minor}":
+        gpu_ok = platform == HOPPER
+    else:
+        assert gpu == "any other", gpu
+        gpu_ok = platform != HOPPER
+    cache_ok = {"fp8": cache == "fp8", "bf16, fp16": cache == q_dtype, "any": True}[cache_cell]
+    if rows_cell == "any":
+        rows_ok = True
+    elif rows_cell.endswith("+"):
+        rows_ok = rows >= int(rows_cell[:-1])
+    else:
+        low, high = map(int, rows_cell.split("-"))
+        rows_ok = low <= rows <= high
+    page_ok = {"multiple of 8": page % 8 == 0, "other": page % 8 != 0, "any": True}[page_cell]
+    return gpu_ok and cache_ok and rows_ok and page_ok
+
+
+def test_doc_decode_table_is_the_code_table() -> None:
+    # Each call of the grid is covered by exactly one row of the doc's table, and that
+    # row names the kernel the code's table picks for it.
+    table = _doc_decode_rows()
+    assert len(table) >= 8
+    for platform in DOC_PLATFORMS:
+        for q_dtype, cache in DOC_CACHES:
+            for rows in DOC_ROWS:
+                for page in DOC_PAGES:
+                    call = (platform, q_dtype, cache, rows, page)
+                    matches = [row for row in table if _doc_matches(row, *call)]
+                    assert len(matches) == 1, (call, matches)
+                    want = matches[0][4].strip("`")
+                    q = torch.zeros(1, rows, 576, dtype=DTYPES[q_dtype])
+                    data = _cache(DTYPES[cache], page, 576, "contiguous")
+                    got = decode_kernel(q, data, rows, 512, platform=platform).name
+                    assert got == want, (call, got, want)
