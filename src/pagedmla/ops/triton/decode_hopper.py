@@ -564,16 +564,12 @@ def box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayou
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
-    plan.programs), the splits of the split plan (several per program in a persistent
-    plan).
-
-    q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
-    requests in one split, part_out [.., plan.rows, L] and part_lse float32 for the
-    others' partials (as `decode.mla_decode`)."""
+    plan.programs), the splits of the plan, several per program in a persistent plan.
+    The arguments are `decode_triton.decode_partial`'s (a 16-bit cache, `scale` unread).
+    """
     latent_desc, rope_desc = page_descriptors(data, L)
     launch(_decode_partial_ws_kernel, q, data, scale, block_table, plan, out, lse, part_out,
            part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,

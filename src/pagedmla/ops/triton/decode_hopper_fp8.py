@@ -500,8 +500,7 @@ def _decode_fp8_kernel(
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`,
     one split per program)."""

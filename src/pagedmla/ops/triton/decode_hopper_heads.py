@@ -456,17 +456,11 @@ def _decode_heads_kernel(
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, plan.programs),
-    head_groups = ceil(N * max_query_len / BLOCK_H), a split of the split plan per
-    program.
-
-    q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
-    [] float32); out [T, N, L] and lse [N, T] for requests in one split, part_out
-    [.., plan.rows, L] and part_lse float32 for the others' partials (as
-    `decode.mla_decode`)."""
+    head_groups = ceil(N * max_query_len / BLOCK_H), a split of the plan per program. The
+    arguments are `decode_triton.decode_partial`'s."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
     launch(_decode_heads_kernel, q, data, scale, block_table, plan, out, lse, part_out,
