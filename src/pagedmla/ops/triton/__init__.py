@@ -1,8 +1,10 @@
 """The Triton backend: one kernel file per op, assembled into a `Backend`.
 
-Prefill attention (`prefill_attention`) hands batches of equal-length sequences to
-cuDNN (faster there) and everything else to our kernels; `varlen_attention` is ours
-(the Gluon kernel of `prefill_hopper` on Hopper GPUs, the Triton kernel elsewhere).
+Which kernel runs a decode or prefill call is decided by one ordered table per op
+(`selection`, mirrored in docs/kernels.md): the Gluon kernels on Hopper GPUs where they
+support the call, the portable Triton kernels elsewhere, and for prefill batches of
+equal-length sequences cuDNN (`prefill_attention`; `varlen_attention` is our kernels
+alone).
 
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
