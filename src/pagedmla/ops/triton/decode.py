@@ -6,11 +6,10 @@ partials and their lse where it is cut in several; stage 2 (`combine`) folds the
 partials of each (token, head) by log-sum-exp. Stage 1 is the portable Triton kernel
 (`decode_triton`) or, on a Hopper GPU, a warp-specialized Gluon kernel that supports the
 call (the decode table of `selection`): `decode_hopper` for at most 16 query rows per
-request (the memory-bound regime;
-`decode_hopper_fp8` with an fp8 cache, up to 32 rows in two head groups),
-`decode_hopper_heads` for more (64 rows per program). A producer warp streams the tiles
-while warpgroups compute, which plain Triton's software pipeline cannot express (see
-those modules).
+request (the memory-bound regime; `decode_hopper_fp8` with an fp8 cache, up to 32 rows
+in two head groups), `decode_hopper_heads` for more (64 rows per program). A producer
+warp streams the tiles while warpgroups compute, which plain Triton's software pipeline
+cannot express (see those modules).
 
 How each request is cut into splits (split-KV) is planned on the device from the
 actual lengths (`split_plan`): one tiny kernel, no value read back, so a decode step never
