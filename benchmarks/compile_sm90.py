@@ -3,30 +3,31 @@ says of each: shared memory, registers, spilled bytes.
 
 The Triton interpreter runs the Triton kernels on the CPU but not the Gluon ones, and
 neither it nor a CPU test sees what the compiler makes of a kernel: a Gluon kernel that
-does not build for Hopper, or one whose warp partitions spill registers (loads of spilled
-values inside a tile loop cost the fp8 kernel 20%, session 38). This builds every path
-`decode.mla_decode` can take on an H200 (the 16-row bf16 and fp8 kernels, one piece per
-program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the Triton
-kernel; the plan and the combine) and both prefill kernels, from CPU tensors, with a
-stand-in for the CUDA driver that reports an sm_90a target and turns every launch into
-a compile-only warm-up.
-Run it with the Triton the GPU machine has (3.6 for the H200 here): other versions
+does not build for Hopper, or one whose warp partitions spill registers (loads of
+spilled values inside a tile loop slow a kernel down). This builds every path
+`decode.mla_decode` can take on an H100/H200 (the 16-row bf16 and fp8 kernels, one split
+per program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the
+Triton kernel; the plan and the combine) and both prefill kernels, from CPU tensors,
+with a stand-in for the CUDA driver that reports an sm_90a target and turns every
+launch into a compile-only warm-up; the device's facts are faked through
+`selection.device_platform`. Run it with the Triton the GPU machine has: other versions
 compile other code, and the Gluon kernels build with one release only
-(`_utils.GLUON_TRITON`: with 3.5, 3.7, 3.8 and 3.9 they fail here, which is how that
-was found); a path that does not build is reported as such.
+(`_utils.GLUON_TRITON`); a path that does not build is reported as such. --ptx adds a
+hash of each kernel's PTX without its name and line information, which stays the same
+where a change of the code leaves the compiled kernel as it was.
 
-    PYTHONPATH=src python3 benchmarks/compile_sm90.py
+    PYTHONPATH=src python3 benchmarks/compile_sm90.py [--ptx]
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
+import hashlib
 import os
 import re
 import subprocess
 import tempfile
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -84,10 +85,13 @@ def ptxas_report(kernel: Any) -> tuple[int, int]:
     return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
 
 
-def _gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...]:
-    """`_utils.gluon_modules` as on an H200 with the Triton it was written for, for CPU
-    tensors: the modules, whatever the device and Triton release."""
-    return tuple(importlib.import_module(f"pagedmla.ops.triton.{name}") for name in names)
+def _platform(gluon: bool) -> Callable[[torch.device], Any]:
+    """`_utils.device_platform` for CPU tensors as on a Hopper GPU with the Triton the
+    Gluon kernels are written for (gluon), or as on a GPU that runs only the Triton
+    kernels."""
+    from pagedmla.ops.triton._utils import Platform
+
+    return lambda device: Platform(cudnn=False, hopper=gluon, gluon=gluon)
 
 
 def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
@@ -95,9 +99,9 @@ def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
     """Build `mla_decode`'s kernels for a batch of `batch` requests of `context`
     positions each, N = heads, DeepSeek widths; gluon=False takes the Triton kernel."""
     from pagedmla.cache import FP8_DTYPE
-    from pagedmla.ops.triton import decode
+    from pagedmla.ops.triton import decode, selection
 
-    decode.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
+    selection.device_platform = _platform(gluon)
     L, R = 512, 64
     blocks = batch * (context // page + 2)
     data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
@@ -113,25 +117,44 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
                     ) -> None:
     """Build `prefill.varlen_attention`'s kernel for one causal sequence of `tokens`
     tokens, N = heads; gluon=False takes the Triton kernel."""
-    from pagedmla.ops.triton import prefill
+    from pagedmla.ops.triton import prefill, selection
 
-    prefill.gluon_modules = _gluon_modules if gluon else lambda device, *names: None
+    selection.device_platform = _platform(gluon)
     q = torch.zeros(tokens, heads, qk_dim, dtype=torch.bfloat16)
     v = torch.zeros(tokens, heads, v_dim, dtype=torch.bfloat16)
     cu = torch.tensor([0, tokens], dtype=torch.int32)
     prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True)
 
 
-def main() -> None:
+def ptx_hash(name: str, ptx: str) -> str:
+    """A hash of the kernel `name`'s PTX without its name, comments, line information
+    and debug sections: what a rename or a move of the source leaves unchanged."""
+    lines, debug = [], False
+    for line in ptx.splitlines():
+        text = line.strip()
+        debug = debug or (text.startswith(".section") and ".debug" in text)
+        if debug:
+            debug = text != "}"
+            continue
+        if text and not text.startswith((".loc", ".file", "//")):
+            lines.append(line.replace(name, "KERNEL"))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ptx", action="store_true",
+                        help="add a hash of each kernel's PTX (name and lines stripped)")
+    options = parser.parse_args(argv)
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
-    from pagedmla.ops.triton import decode, prefill, prefill_hopper
+    from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
     decode.check_device = prefill.check_device = lambda *tensors: None
     decode.multiprocessor_count = lambda device: 132
     prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
-    decode.INTERPRETED = False
+    decode_triton.INTERPRETED = False
     cases = [  # (label, batch, heads, context, fp8, page, gluon)
         ("bf16 16 rows, one wave", 64, 16, 8192, False, 64, True),
         ("bf16 16 rows, persistent runs", 200, 16, 4096, False, 64, True),
@@ -142,8 +165,9 @@ def main() -> None:
         ("fp8 64 rows", 4, 128, 4096, True, 64, True),
         ("Triton kernel, persistent runs", 200, 16, 4096, False, 64, False),
     ]
-    print("| path | kernel | shared bytes | registers | spilled bytes |")
-    print("|---|---|---:|---:|---:|")
+    ptx_column = (" PTX hash |", "---|") if options.ptx else ("", "")
+    print("| path | kernel | shared bytes | registers | spilled bytes |" + ptx_column[0])
+    print("|---|---|---:|---:|---:|" + ptx_column[1])
     builds = [(label, compile_decode, args) for label, *args in cases]
     builds += [("prefill 192 / 128", compile_prefill, (4096, 16, 192, 128, True)),
                ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False))]
@@ -158,8 +182,9 @@ def main() -> None:
             print(f"| {label} | does not build: {reason} | | | |", flush=True)
         for name, kernel in COMPILED[done:]:
             registers, spills = ptxas_report(kernel)
-            print(f"| {label} | {name} | {kernel.metadata.shared} | {registers} | {spills} |",
-                  flush=True)
+            ptx = f" {ptx_hash(name, kernel.asm['ptx'])} |" if options.ptx else ""
+            print(f"| {label} | {name} | {kernel.metadata.shared} | {registers} | {spills} |"
+                  + ptx, flush=True)
 
 
 if __name__ == "__main__":

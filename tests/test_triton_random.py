@@ -1,17 +1,16 @@
 """The triton backend on seeded random calls on the GPU: its ops against the reference
 ops, and MLAAttention(backend="triton") against the float64 dense oracle.
 
-tests/test_triton_ops.py varies one or two of a call's choices at a time; here every
+tests/test_triton_<op>.py vary one or two of a call's choices at a time; here every
 case draws all of them at once: heads 1-128, page sizes 1-128 (powers of two and
 not), query lengths 0-16 per request (0: a CUDA graph's padding request), contexts
 from 1 to ~70k positions, bf16/fp16 queries with a cache of their dtype or fp8, NoPE
 and narrower latents, caches and queries as strided views, and host bounds above the
 batch's true lengths (as a CUDA graph passes them); the layer cases add mixed batches
 of decodes and prefills, three head shapes and workspaces that cut the context into
-many chunks. The bugs that reached the GPU after that file's matrix passed came from
-such combinations: a launch grid's axis overflowing at 128 heads x 512 tokens (found by
-a benchmark); here, a prefill without any key failing on Hopper, and the chunked
-context losing precision with the chunk count.
+many chunks. Such combinations reach what those files' matrices do not: a launch
+grid's axis overflowing at 128 heads x 512 tokens, a prefill without any key on
+Hopper, the chunked context's precision as the chunk count grows.
 
 The `small` cases draw the same way at interpreter sizes (the layer's with the cost
 model routing extends, too) and run everywhere, CI's CPU included.
@@ -19,7 +18,7 @@ model routing extends, too) and run everywhere, CI's CPU included.
 Each case draws from its own seed, the case number in the test's id, so a failure
 reproduces alone (`-k "random and [17]"`). Outputs are checked row by row as well as
 as a whole: a single wrong (token, head) row among thousands would pass a relative
-error over the whole output. Tolerances are those of tests/test_triton_ops.py for
+error over the whole output. Tolerances are those of tests/triton_helpers.py for
 16-bit inputs (bf16's, which bound fp16 too).
 """
 
@@ -36,7 +35,7 @@ from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
 from pagedmla.ops import reference as ref
 from pagedmla.routing import PathCostModel
 from pagedmla.testing import make_paged_batch, relative_error
-from tests.test_triton_ops import (
+from tests.triton_helpers import (
     DEVICE,
     FP8,
     TINY_DECODE,
@@ -333,7 +332,7 @@ def test_layer_gpu_random(case: int) -> None:
 @pytest.mark.parametrize("case", range(24))
 def test_decode_random_small(case: int) -> None:
     # The same draws at interpreter sizes, on float32/float16 (the interpreter's bf16
-    # products are wrong, see tests/test_triton_ops.py), through the small-tile configs
+    # products are wrong, see tests/triton_helpers.py), through the small-tile configs
     # (both product formulations, bulk copies and the row gather) and the default one.
     rng = random.Random(6000 + case)
     num_heads, page = rng.randint(1, 8), rng.choice((1, 2, 3, 8, 16, 24))

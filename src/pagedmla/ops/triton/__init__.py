@@ -1,9 +1,10 @@
 """The Triton backend: one kernel file per op, assembled into a `Backend`.
 
-Prefill attention goes through `prefill_select`, which hands batches of equal-length
-sequences to cuDNN (faster there) and everything else to our kernels;
-`varlen_attention` is ours (the Gluon kernel of `prefill_hopper` on Hopper GPUs, the
-Triton kernel elsewhere).
+Which kernel runs a decode or prefill call is decided by one ordered table per op
+(`selection`, mirrored in docs/kernels.md): the Gluon kernels on Hopper GPUs where they
+support the call, the portable Triton kernels elsewhere, and for prefill batches of
+equal-length sequences cuDNN (`prefill_attention`; `varlen_attention` is our kernels
+alone).
 
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
-from pagedmla.ops.triton.decode import merge_partials, mla_decode
+from pagedmla.ops.triton.combine import merge_partials
+from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
-from pagedmla.ops.triton.prefill import varlen_attention
-from pagedmla.ops.triton.prefill_select import varlen_attention as prefill_attention
+from pagedmla.ops.triton.prefill import prefill_attention, varlen_attention
 from pagedmla.ops.triton.rope import rotary
 
 TRITON_BACKEND = Backend(

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import warnings
-from types import ModuleType
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,9 +24,9 @@ _INTERPRETER_SMS = 4
 
 # The Triton release (major, minor) the Gluon kernels are written for. Gluon's API is
 # experimental and changes with each release: built for sm_90a without a GPU
-# (benchmarks/compile_sm90.py, session 38), the kernels fail with 3.5 (no
-# `gl.num_warps`), 3.7 and 3.8 (no `gl.thread_barrier`) and 3.9 (the bulk copies
-# renamed). With any other release the Triton kernels run on Hopper too.
+# (benchmarks/compile_sm90.py), the kernels do not build with 3.5 (no `gl.num_warps`),
+# 3.7 and 3.8 (no `gl.thread_barrier`) or 3.9 (the bulk copies renamed). With any other
+# release the Triton kernels run on Hopper too.
 GLUON_TRITON = (3, 6)
 
 
@@ -107,21 +106,36 @@ def _warn_no_gluon(version: str) -> None:
         RuntimeWarning, stacklevel=3)
 
 
+@dataclass(frozen=True)
+class Platform:
+    """The facts of a device and of this process that decide which kernels can run there.
+
+    cudnn: a CUDA device with PyTorch's cuDNN (the prefill table's cuDNN entry). hopper:
+    a Hopper GPU (compute capability 9.x). gluon: the Gluon kernels build and run here:
+    compiled rather than interpreted, with the Triton release they are written for
+    (`gluon_builds`). The Gluon kernels run where both hopper and gluon hold.
+    """
+
+    cudnn: bool
+    hopper: bool
+    gluon: bool
+
+    @property
+    def runs_gluon(self) -> bool:
+        """Whether the Gluon kernels can run: a Hopper GPU and a Triton that builds them."""
+        return self.hopper and self.gluon
+
+
 @functools.cache  # asked on every decode and prefill call
-def gluon_modules(device: torch.device, *names: str) -> tuple[ModuleType, ...] | None:
-    """The Gluon kernel modules `names` of this package where they can run on `device`:
-    None off Hopper, under the interpreter (it does not run Gluon), or where the
-    installed Triton lacks Gluon or is a release they do not build with
-    (`gluon_builds`; warned once)."""
-    if INTERPRETED or not is_hopper(device):
-        return None
-    if not gluon_builds(triton.__version__):
+def device_platform(device: torch.device) -> Platform:
+    """The `Platform` of `device` (warned once where a Hopper GPU could run the Gluon
+    kernels but the installed Triton is a release they do not build with)."""
+    hopper = is_hopper(device)
+    gluon = not INTERPRETED and gluon_builds(triton.__version__)
+    if hopper and not INTERPRETED and not gluon:
         _warn_no_gluon(triton.__version__)
-        return None
-    try:
-        return tuple(importlib.import_module(f"{__package__}.{name}") for name in names)
-    except ImportError:
-        return None
+    return Platform(cudnn=device.type == "cuda" and torch.backends.cudnn.is_available(),
+                    hopper=hopper, gluon=gluon)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -133,3 +147,15 @@ def dot_precision(dtype: torch.dtype) -> str:
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """Kernels take arbitrary strides except the innermost one, which must be 1."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:
+    """Whether the copy engine can read [block_n, ...] tiles of the cache `data`
+    [num_blocks, page, L + R] as rows: tiles inside one page (page a multiple of
+    block_n), pages adjacent in rows, 16-byte aligned base and row stride, and fewer
+    than 2**31 rows (int32 coordinates)."""
+    num_blocks, page, _ = data.shape
+    return (page % block_n == 0 and data.stride(-1) == 1
+            and data.stride(0) == page * data.stride(1)
+            and (data.stride(1) * data.element_size()) % 16 == 0
+            and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)

@@ -1,14 +1,14 @@
 """Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
 
-Same contract as `decode._decode_partial_kernel` (a program per head group and piece of
-a request, or per run of pieces in a persistent plan; final output or float32 partials
+Same contract as `decode_triton._decode_partial_kernel` (a program per head group and split of
+a request, or per run of splits in a persistent plan; final output or float32 partials
 plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per request,
 page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
 instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits
 only two stages; it also does not multi-buffer a copy whose first use is a conversion,
-so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
+which leaves an fp8 cache one stage. Here the roles are split:
 
 * a producer warp walks the block table and issues bulk tensor copies (TMA) into a
   ring of STAGES tile buffers, each guarded by a `ready` and an `empty` mbarrier, so a
@@ -22,10 +22,10 @@ so an fp8 cache ran at one stage and lost to bf16. Here the roles are split:
 Rows at or past the slice end may hold NaN (slots past seq_len), and 0 x NaN reaches
 the output: the slice's last, partial tile is zeroed there, in place.
 
-In a persistent plan (`split_plan`) a program runs several pieces one after the other:
-the producer goes on to the next piece's tiles as soon as ring buffers free up (the
-ring's count runs on across pieces), while the consumer stores a piece's result and
-loads the next piece's q over the last.
+In a persistent plan (`split_plan`) a program runs several splits one after the other:
+the producer goes on to the next split's tiles as soon as ring buffers free up (the
+ring's count runs on across splits), while the consumer stores a split's result and
+loads the next split's q over the last.
 
 An fp8 cache takes `decode_hopper_fp8` instead (products on e4m3 codes). The program's
 slice, the ring, the q load, the producer, the e4m3 widening, the tail zeroing and the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -52,33 +53,30 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from pagedmla.cache import FP8_DTYPE
-from pagedmla.ops.triton import split_plan
-from pagedmla.ops.triton.decode import tiles_copyable
+from pagedmla.ops.triton._utils import tiles_copyable
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
 BLOCK_N = 64  # positions per tile: the wgmma's M
 MIN_COPY_ROWS = 8  # fewest rows per bulk copy: one period of the 128-byte swizzle
 BLOCK_H = 16  # query rows per program: the wgmma's N
 STAGES = 2  # ring buffers (with q, 165 KB)
-PERSISTENT = True  # a program runs several pieces of a persistent plan (`split_plan`)
-# A piece's cost past one wave (`split_plan`): none. There this kernel chooses between
-# whole requests and the persistent plan, and a cost per piece would only price whole
-# requests higher (with 2 tiles 256 x 4k would go persistent, 3.6% slower; session 37).
-PAST_WAVE_TILES = 0
-# A last partial wave's price past one wave (`split_plan`): this kernel is memory-bound.
-LONE_WAVE = split_plan.LONE_WAVE
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
               FP8_DTYPE: gl.float8e4nv}
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
-    checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
+    `selection` checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
     dtype, at most BLOCK_H query rows per request, and pages the copy engine can read
     (`pages_copyable`)."""
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= BLOCK_H
-            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == q.dtype
+    return (deepseek_call(q, data, L) and num_rows <= BLOCK_H and data.dtype == q.dtype
             and pages_copyable(data))
+
+
+def deepseek_call(q: torch.Tensor, data: torch.Tensor, L: int) -> bool:
+    """What every Gluon decode kernel needs of a call: DeepSeek's widths (L = 512, R =
+    64) and a 16-bit q."""
+    return L == 512 and data.shape[-1] == L + 64 and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def copy_rows(page: int) -> int:
@@ -91,34 +89,34 @@ def copy_rows(page: int) -> int:
 def pages_copyable(data: torch.Tensor) -> bool:
     """Whether the copy engine can fill 64-position tiles from the cache `data`: copies
     of at least MIN_COPY_ROWS rows (pages of a multiple of 8 positions), with the layout
-    `decode.tiles_copyable` asks for."""
+    `_utils.tiles_copyable` asks for."""
     rows = copy_rows(data.shape[1])
     return rows >= MIN_COPY_ROWS and tiles_copyable(data, rows)
 
 
 @gluon.jit
 def program_slice(work_ptr, num_heads, BLOCK_H: gl.constexpr, TILE_N: gl.constexpr):
-    """Where a program of one piece works: its head group from the grid, and the
-    `piece_slice` of its piece (its row of the work, program_id(1))."""
+    """Where a program of one split works: its head group from the grid, and the
+    `split_slice` of its split (its row of the work, program_id(1))."""
     group = gl.program_id(0)
-    pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = piece_slice(
+    splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = split_slice(
         work_ptr, gl.program_id(1), group, num_heads, BLOCK_H, TILE_N)
-    return group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial
+    return group, splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial
 
 
 @gluon.jit
-def piece_slice(work_ptr, piece, group, num_heads, BLOCK_H: gl.constexpr,
+def split_slice(work_ptr, split, group, num_heads, BLOCK_H: gl.constexpr,
                 TILE_N: gl.constexpr):
-    """Head group `group` of row `piece` of the split plan's work (`split_plan`, WORK
-    fields): the request's piece count, the request, its seq_len, first token and q_len
+    """Head group `group` of row `split` of the split plan's work (`split_plan`, WORK
+    fields): the request's split count, the request, its seq_len, first token and q_len
     (all 0 for an idle row, which gets no rows); the query rows (q_len x N); the
-    positions [lo, hi) in num_tiles tiles of TILE_N; and the index of the piece's
-    partial on the partial buffer's piece axis. A piece stops at the last position
+    positions [lo, hi) in num_tiles tiles of TILE_N; and the index of the split's
+    partial on the partial buffer's split axis. A split stops at the last position
     any of the group's rows sees (bottom-right causal), and is empty for a group past
     the rows."""
-    row = work_ptr + WORK_FIELDS * piece
+    row = work_ptr + WORK_FIELDS * split
     req = gl.maximum(gl.load(row), 0)
-    pieces = gl.load(row + 3)
+    splits = gl.load(row + 3)
     seq_len = gl.load(row + 4)
     q_begin = gl.load(row + 5)
     q_len = gl.load(row + 6)
@@ -128,7 +126,7 @@ def piece_slice(work_ptr, piece, group, num_heads, BLOCK_H: gl.constexpr,
     hi = gl.minimum(gl.load(row + 2), seq_len - q_len + last_tok + 1)
     hi = gl.where(group * BLOCK_H < num_rows, hi, lo)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
-    return pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, gl.load(row + 7)
+    return splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, gl.load(row + 7)
 
 
 @gluon.jit
@@ -148,6 +146,18 @@ def allocate_ring(dtype: gl.constexpr, latent_layout: gl.constexpr, rope_layout:
         mbarrier.init(ready.index(k), count=1)
         mbarrier.init(empty.index(k), count=1)
     return ring_a, ring_b, ring_r, ready, empty
+
+
+@gluon.jit
+def copy_ring(latent_desc, rope_desc, STAGES: gl.constexpr, TILE_N: gl.constexpr):
+    """The ring of STAGES tile buffers (`allocate_ring`) that bulk copies through
+    latent_desc and rope_desc fill, in their layouts."""
+    HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
+    R: gl.constexpr = rope_desc.block_type.shape[1]
+    latent_layout: gl.constexpr = latent_desc.layout
+    rope_layout: gl.constexpr = rope_desc.layout
+    return allocate_ring(latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N,
+                         HALF_L, R)
 
 
 @gluon.jit
@@ -260,11 +270,10 @@ def produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, 
     """Producer warp: copy tile i (from `first` on: `copy_first_tiles` issued those
     before) into ring buffer (base + i) % STAGES once it is free, in TILE_N / CHUNK bulk
     copies of CHUNK rows (the descriptors' box), each inside a page; base: the tiles
-    the ring took before this slice (earlier pieces of a persistent program).
+    the ring took before this slice (earlier splits of a persistent program).
 
     The block-table entries of the next tile are loaded before waiting for a buffer, so
-    their latency is not added to every copy's (280 vs 287 us for bf16, 266 vs 285 us
-    for fp8 at B = 128 x 8k, one copy per tile)."""
+    their latency is not added to every copy's."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     CHUNK: gl.constexpr = latent_desc.block_type.shape[0]
     COPIES: gl.constexpr = TILE_N // CHUNK
@@ -363,17 +372,17 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, lo, hi
 
 
 @gluon.jit
-def _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_rows, num_heads,
-                 num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_ot, stride_oh,
+def _store_split(acc_a, acc_b, m_i, l_i, group, partial, splits, q_begin, num_rows, num_heads,
+                 num_partials, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_ot, stride_oh,
                  stride_lt, stride_lh, L: gl.constexpr, mma: gl.constexpr):
-    """A piece's result from `_consume`'s state: the final out and lse of a request in one
-    piece, else float32 partials at row (token x N + head) x num_pieces + partial (the
-    piece's partial index; a partial with no visible key is never read: not stored).
+    """A split's result from `_consume`'s state: the final out and lse of a request in one
+    split, else float32 partials at row (token x N + head) x num_partials + partial (the
+    split's partial index; a partial with no visible key is never read: not stored).
 
     O^T [HALF_L, BLOCK_H] halves are stored straight from the accumulators' registers:
-    each store instruction covers 8 adjacent columns (32 bytes of float32) of 4 rows.
-    Through shared memory into a row-contiguous layout (16-byte stores) it was 0-2.4%
-    slower on the N = 16 grids (same-run A/B on an H200, session 26)."""
+    each store instruction covers 8 adjacent columns (32 bytes of float32) of 4 rows, and
+    no round trip through shared memory (into a row-contiguous layout, 16-byte stores)
+    runs before them, which does not pay for itself at N = 16."""
     HALF_L: gl.constexpr = acc_a.type.shape[0]
     BLOCK_H: gl.constexpr = acc_a.type.shape[1]
     has_key = l_i > 0.0
@@ -385,7 +394,7 @@ def _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_ro
     r_st = group * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
     row_ok = r_st < num_rows
     l_idx = gl.arange(0, HALF_L, gl.SliceLayout(1, mma))
-    if pieces == 1:
+    if splits == 1:
         token = (q_begin + r_st // num_heads).to(gl.int64)
         head = (r_st % num_heads).to(gl.int64)
         out_cols = out_ptr + token * stride_ot + head * stride_oh
@@ -395,7 +404,7 @@ def _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_ro
                  out_b.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:
-        at = r_st.to(gl.int64) * num_pieces + partial
+        at = r_st.to(gl.int64) * num_partials + partial
         store_ok = row_ok & (lse > float("-inf"))
         gl.store(part_ptr + at[None, :] * L + l_idx[:, None], out_a, mask=store_ok[None, :])
         gl.store(part_ptr + at[None, :] * L + HALF_L + l_idx[:, None], out_b,
@@ -405,24 +414,24 @@ def _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_ro
 
 @gluon.jit
 def _consume_run(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, work_ptr,
-                 run_begin, run_end, group, num_heads, num_pieces, q_ptr, stride_qt,
+                 run_begin, run_end, group, num_heads, num_partials, q_ptr, stride_qt,
                  stride_qh, softmax_scale, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
                  stride_ot, stride_oh, stride_lt, stride_lh, L: gl.constexpr,
                  R: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
                  rows: gl.constexpr):
-    """Consumer warpgroup of a program's run of pieces run_begin .. run_end - 1: each
-    piece's tiles (`_consume`) and result (`_store_piece`); q of the first piece is in
-    q_a, q_b, q_r already, each later piece's is loaded over it (its tiles meanwhile
-    arrive: the producer runs ahead across pieces)."""
+    """Consumer warpgroup of a program's run of splits run_begin .. run_end - 1: each
+    split's tiles (`_consume`) and result (`_store_split`); q of the first split is in
+    q_a, q_b, q_r already, each later split's is loaded over it (its tiles meanwhile
+    arrive: the producer runs ahead across splits)."""
     BLOCK_H: gl.constexpr = q_a.type.shape[0]
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     HALF_L: gl.constexpr = ring_a.type.shape[2]
     qk_scale = softmax_scale * 1.4426950408889634  # scores in base 2
     base = 0
-    for piece in range(run_begin, run_end):
-        pieces, _, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = piece_slice(
-            work_ptr, piece, group, num_heads, BLOCK_H, TILE_N)
-        if piece > run_begin:
+    for split in range(run_begin, run_end):
+        splits, _, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles, partial = split_slice(
+            work_ptr, split, group, num_heads, BLOCK_H, TILE_N)
+        if split > run_begin:
             x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt,
                                    stride_qh, BLOCK_H, L, HALF_L, R, rows)
             q_a.store(x_a)
@@ -437,10 +446,10 @@ def _consume_run(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, wo
                                           q_r, p_smem, lo, hi, num_tiles, base, limit,
                                           qk_scale, STAGES, mma, rows)
         base += num_tiles
-        if piece == run_end - 1:
+        if split == run_end - 1:
             gdc_launch_dependents()  # the combine may launch now; it waits for this grid
-        _store_piece(acc_a, acc_b, m_i, l_i, group, partial, pieces, q_begin, num_rows,
-                     num_heads, num_pieces, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+        _store_split(acc_a, acc_b, m_i, l_i, group, partial, splits, q_begin, num_rows,
+                     num_heads, num_partials, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
                      stride_ot, stride_oh, stride_lt, stride_lh, L, mma)
 
 
@@ -449,15 +458,15 @@ def _produce_run(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, t
                  lo, hi, first, num_tiles, work_ptr, block_table_ptr, stride_bt, run_begin,
                  run_end, group, num_heads, PAGE: gl.constexpr, STAGES: gl.constexpr,
                  BLOCK_H: gl.constexpr):
-    """Producer warp of a program's run of pieces: the first piece's tiles (table_row,
+    """Producer warp of a program's run of splits: the first split's tiles (table_row,
     lo, hi, num_tiles; `first` of them issued from the prologue), then each later
-    piece's, the ring's count going on across pieces."""
+    split's, the ring's count going on across splits."""
     TILE_N: gl.constexpr = ring_a.type.shape[1]
     produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, table_row,
                   lo, hi, first, num_tiles, 0, PAGE, STAGES)
     base = num_tiles
-    for piece in range(run_begin + 1, run_end):
-        _, req, _, _, _, _, lo, hi, num_tiles, _ = piece_slice(work_ptr, piece, group,
+    for split in range(run_begin + 1, run_end):
+        _, req, _, _, _, _, lo, hi, num_tiles, _ = split_slice(work_ptr, split, group,
                                                                num_heads, BLOCK_H, TILE_N)
         produce_tiles(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty,
                       block_table_ptr + req.to(gl.int64) * stride_bt, lo, hi, 0, num_tiles,
@@ -473,18 +482,18 @@ def _decode_partial_ws_kernel(
     stride_bt,
     stride_ot, stride_oh,
     stride_lt, stride_lh,
-    num_heads, num_pieces, softmax_scale,
+    num_heads, num_partials, softmax_scale,
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, STAGES: gl.constexpr, RUNS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """The pieces starts[p] .. starts[p + 1] - 1 (RUNS: a persistent plan; else piece p)
-    of the split plan's work [num_pieces, WORK], p = program_id(1), one after the
-    other, each as `decode._decode_partial_kernel` takes it with a 16-bit cache
+    """The splits starts[p] .. starts[p + 1] - 1 (RUNS: a persistent plan; else split p)
+    of the split plan's work [num_partials, WORK], p = program_id(1), one after the
+    other, each as `decode_triton._decode_partial_kernel` takes it with a 16-bit cache
     (unscaled: scale_ptr is not read); the TILE_N-position tiles come through
     latent_desc ([rows, L / 2] boxes) and rope_desc ([rows, R] boxes, rows =
     `copy_rows(PAGE)`) over the cache viewed as [pages x PAGE, L + R] rows. The ring
-    runs on across pieces, so a piece's first tiles are copied while the one before
+    runs on across splits, so a split's first tiles are copied while the one before
     ends."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     group = gl.program_id(0)
@@ -494,9 +503,9 @@ def _decode_partial_ws_kernel(
         run_begin = gl.load(starts_ptr + run_begin)
     else:
         run_end = run_begin + 1
-    pieces, req, _, q_begin, _, num_rows, lo, hi, num_tiles, _ = piece_slice(
+    splits, req, _, q_begin, _, num_rows, lo, hi, num_tiles, _ = split_slice(
         work_ptr, run_begin, group, num_heads, BLOCK_H, TILE_N)
-    if run_begin == run_end or pieces == 0:  # an idle program: exit before any set-up
+    if run_begin == run_end or splits == 0:  # an idle program: exit before any set-up
         return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
@@ -505,10 +514,7 @@ def _decode_partial_ws_kernel(
     # 8 elements (16 bytes of a 16-bit type) per thread along the row.
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
-    latent_layout: gl.constexpr = latent_desc.layout
-    rope_layout: gl.constexpr = rope_desc.layout
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
+    ring_a, ring_b, ring_r, ready, empty = copy_ring(latent_desc, rope_desc, STAGES, TILE_N)
     table_row = block_table_ptr + req.to(gl.int64) * stride_bt
     x_a, x_b, x_r = load_q(q_ptr, q_begin, group, num_heads, num_rows, stride_qt, stride_qh,
                            BLOCK_H, L, HALF_L, R, rows)
@@ -522,7 +528,7 @@ def _decode_partial_ws_kernel(
 
     gl.warp_specialize([
         (_consume_run, (ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_smem, work_ptr,
-                        run_begin, run_end, group, num_heads, num_pieces, q_ptr, stride_qt,
+                        run_begin, run_end, group, num_heads, num_partials, q_ptr, stride_qt,
                         stride_qh, softmax_scale, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
                         stride_ot, stride_oh, stride_lt, stride_lh, L, R, STAGES, mma,
                         rows)),
@@ -558,22 +564,35 @@ def box_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayou
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups = 1,
-    plan.programs), the pieces of the split plan (PERSISTENT: several per program in a
-    persistent plan).
-
-    q [T, N, L + R]; data [num_blocks, page, L + R]; out [T, N, L] and lse [N, T] for
-    requests in one piece, part_out [.., plan.rows, L] and part_lse float32 for the
-    others' partials (as `decode.mla_decode`)."""
+    plan.programs), the splits of the plan, several per program in a persistent plan.
+    The arguments are `decode_triton.decode_partial`'s (a 16-bit cache, `scale` unread).
+    """
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_partial_ws_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, scale, block_table, plan.work, plan.starts, out, lse,
-        part_out, part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], plan.rows, float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, RUNS=plan.rows > plan.programs, num_warps=4,
+    launch(_decode_partial_ws_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, starts_ptr=plan.starts, num_partials=plan.rows,
+           BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES, RUNS=plan.rows > plan.programs,
+           num_warps=4)
+
+
+def launch(
+    kernel: Any, q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+    block_table: torch.Tensor, plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor,
+    part_out: torch.Tensor, part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
+    L: int, **kernel_args: Any,
+) -> None:
+    """Launch the Gluon stage-1 `kernel` (this module's or `decode_hopper_fp8`'s,
+    `decode_hopper_heads`'s) on grid (head_groups, plan.programs): the arguments every
+    such kernel takes (as `decode_partial` gets them), by name, and `kernel_args`, its
+    own (descriptors, tile sizes, warps)."""
+    kernel[(head_groups, plan.programs)](
+        q_ptr=q, scale_ptr=scale, block_table_ptr=block_table, work_ptr=plan.work,
+        out_ptr=out, lse_ptr=lse, part_ptr=part_out, part_lse_ptr=part_lse,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_bt=block_table.stride(0),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lt=lse.stride(1),
+        stride_lh=lse.stride(0), num_heads=q.shape[1], softmax_scale=float(softmax_scale),
+        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], **kernel_args,
     )

@@ -2,14 +2,13 @@
 (16 per program: a request's rows in one or two head groups): both products run on the
 tensor cores' e4m3 path, so the tile is never widened.
 
-Same contract as `decode_hopper` (one program per head group and piece of a request;
+Same contract as `decode_hopper` (one program per head group and split of a request;
 final output or float32 partials plus lse), whose producer warp, ring and slice it
-shares. The widening kernel that ran before (session 16's, in git history) turned
-every e4m3 tile into a 16-bit copy before its products, and that work, not the copy,
-held an fp8 cache to ~1.1x the bf16 kernel's speed (this one: 1.3-1.8x on an H200 but for one or two
-requests of 8k, docs/PERFORMANCE.md). Here two consumer warpgroups take alternate tiles
-of the slice (one alone left the copies waiting on its chain of products and softmax),
-and each multiplies the e4m3 codes as they arrive:
+shares. Widening every e4m3 tile into a 16-bit copy before its products would make that
+work, not the copy, the bound, and an fp8 cache would gain little over bf16 for half the
+bytes. Here two consumer warpgroups take alternate tiles of the slice (one alone would
+leave the copies waiting on its chain of products and softmax), and each multiplies
+the e4m3 codes as they arrive:
 
 * S^T = K Q^T: K is the ring buffer itself (wgmma's A operand from shared memory), Q is
   e4m3 too. A single e4m3 copy of q would keep 4 significant bits, so q is stored as two
@@ -28,27 +27,24 @@ and each multiplies the e4m3 codes as they arrive:
   V^T comes from registers. `ldmatrix.trans` reads the tile as 16-bit pairs of adjacent
   columns and hands each thread, per register, one pair for two adjacent positions; two
   byte permutes per two registers (`_DEINTERLEAVE`) then give words of 4 positions of
-  one column, as wgmma's A fragment wants them (session 21's 4-byte loads and 4 x 4
-  transposes took four times the load instructions and twice the permutes). The
+  one column, as wgmma's A fragment wants them (a quarter of the load instructions and
+  half the permutes of 4-byte loads and 4 x 4 transposes). The
   product's row index l' is a bit permutation of the latent column (`_sigma`), a
   relabelling of the loaded tensor, undone when O is stored.
 
 The kernel forks into its partitions before q is loaded: the producer's first copies
-then fly while the two consumers load q and store its terms, half each (0.5-5.8% faster
-on the N = 16 grids than the same work ahead of the fork; same-run A/B on an H200,
-session 25). The second consumer leaves its O^T, m and l in shared memory; the first
-folds them into its own before the store. The first takes the odd tiles: in a slice of
-an even count the second then ends first and leaves its state while the first runs the
-last tile (2-4% faster on one or two requests of 8k, unchanged on large batches). Rows
+then fly while the two consumers load q and store its terms, half each. The second
+consumer leaves its O^T, m and l in shared memory; the first folds them into its own
+before the store. The first takes the odd tiles: in a slice of an even count the second
+then ends first and leaves its state while the first runs the last tile. Rows
 at or past the slice end may hold NaN codes (0 x NaN would reach the output): the
 slice's last, partial tile is zeroed there in place, as `decode_hopper` does for 16-bit
 caches.
 
-With 17-32 query rows (N = 32, or N = 16 and two tokens per request) a piece runs as two
+With 17-32 query rows (N = 32, or N = 16 and two tokens per request) a split runs as two
 programs of 16 rows. They read the same tiles and are neighbours in the grid's order, so
-the second read can come from L2; this takes 21-29% less time than the 64-row kernel,
-which widens every tile (N = 32 at B = 128 x 8k, 64 x 8k, 32 x 32k and 1 x 64k; N = 16
-with 2 tokens, N = 8 with 4; same-process A/B on an H200, session 26).
+the second read can come from L2, which beats the 64-row kernel's widening of every tile
+(docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -68,7 +64,9 @@ from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton.decode_hopper import (
     BLOCK_H,
     BLOCK_N,
-    allocate_ring,
+    copy_ring,
+    deepseek_call,
+    launch,
     load_q,
     page_descriptors,
     pages_copyable,
@@ -85,19 +83,6 @@ MAX_ROWS = 2 * BLOCK_H  # query rows per request: two head groups (the module do
 # Ring buffers of 36 KB: with q's terms, P and the second consumer's state, 204 KB, one
 # program per SM.
 STAGES = 4
-PERSISTENT = False  # one piece per program (`split_plan`)
-# A piece's cost past one wave of requests, in tiles, and a last partial wave's there,
-# as a fraction of a full one (`split_plan`). Bound by its consumers' chains, this kernel
-# pays a piece's start where the memory-bound kernels' other programs hide it (about
-# 5 us), and its programs in a partial wave run hardly faster than in a full one (whole
-# requests, session 38: 200 x 4k 158.0 us, 256 x 4k 164.6, so a second wave of 68
-# programs cost ~0.92 of one of 124). H200, N = 16, against 2 tiles and 0.6 (session
-# 40): 1.4-7.7% faster on 8 of 28 batches past one wave (300 x 4k 227.6 -> 212.4 us,
-# 170 x 1088 59.7 -> 55.8, 160 lognormal 103.6 -> 95.6), 2.2% slower on 133 in 1k-2k,
-# 1.8% at N = 32, 70 x 8k. 3 tiles, 0.8 or 1.0 lost some of those gains; 5 tiles
-# matched 4.
-PAST_WAVE_TILES = 4
-LONE_WAVE = 0.9
 # q's rows are scaled to put their largest entry in (Q_TOP / 2, Q_TOP] (e4m3's largest
 # value is 448), P to 2^P_EXP at most (its two terms keep entries down to ~2^-16 of that).
 Q_TOP = gl.constexpr(224.0)
@@ -127,8 +112,7 @@ def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> boo
     """Whether this kernel takes the call (on a Hopper GPU): an fp8 cache of DeepSeek
     widths (L = 512, R = 64), 16-bit q, at most MAX_ROWS query rows per request, and
     pages the copy engine can read (`decode_hopper.pages_copyable`)."""
-    return (L == 512 and data.shape[-1] == L + 64 and num_rows <= MAX_ROWS
-            and q.dtype in (torch.bfloat16, torch.float16) and data.dtype == FP8_DTYPE
+    return (deepseek_call(q, data, L) and num_rows <= MAX_ROWS and data.dtype == FP8_DTYPE
             and pages_copyable(data))
 
 
@@ -236,8 +220,8 @@ def _col_max(s, scratch, mma: gl.constexpr):
     """The largest entry of each column of s ([TILE_N, 16] in `mma`, S^T's layout, its
     positions across the 4 warps), in SliceLayout(0, mma): each warp's own through
     shuffles, then the four warps' through shared memory (scratch, [4, 16] float32) and
-    one barrier. `gl.max(s, 0)` takes two barriers and a second round of shared memory;
-    this is 1.5-3.4% faster on the N = 16 grids (same-run A/B on an H200, session 22)."""
+    one barrier, where `gl.max(s, 0)` takes two barriers and a second round of shared
+    memory."""
     TILE_N: gl.constexpr = s.shape[0]
     ROWS: gl.constexpr = s.shape[1]
     scratch.store(gl.max(s.reshape([4, TILE_N // 4, ROWS]), 1))
@@ -283,8 +267,7 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, h
     acc3 = gl.zeros([128, 2 * ROWS], gl.float32, wide)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
     # l's terms summed per thread over the positions it holds, added up once after the
-    # loop: a sum across the warps every tile cost three barriers (173 vs 185 us at
-    # B = 128 x 8k).
+    # loop: a sum across the warps every tile would cost three barriers.
     l_part = gl.zeros([TILE_N, ROWS], gl.float32, mma)
     # S^T against both q terms at once ([TILE_N, 2 ROWS], a column per term): one
     # product per k-step that reads K from shared memory once.
@@ -296,7 +279,7 @@ def _consume(ring_a, ring_b, ring_r, ready, empty, q_a, q_b, q_r, p_terms, lo, h
     # ready's parity below names tile i only once the buffer's previous tile, i -
     # NUM_STAGES, has landed. With CONSUMERS dividing NUM_STAGES that tile was this
     # consumer's own; otherwise a copy can land after a later one and the wait passes
-    # on the old phase (three consumers on four buffers faulted so, session 28).
+    # on the old phase (three consumers on four buffers fault so).
     gl.static_assert(NUM_STAGES % CONSUMERS == 0)
     for i in range(first, num_tiles, CONSUMERS):
         slot = i % NUM_STAGES
@@ -402,13 +385,13 @@ def _fold(acc0, acc1, acc2, acc3, m_i, l_i, kept, kept_ml, mma: gl.constexpr):
 
 @gluon.jit
 def _store_block(acc, norm, block: gl.constexpr, out_cols, part_cols, row_ok, store_ok,
-                 pieces, store: gl.constexpr):
+                 splits, store: gl.constexpr):
     """Store one 128-column block of O^T [128 l', BLOCK_H] times norm, at latent columns
     128 * block + _sigma(l'): to out (out_cols: each row's first column) for a request
-    in one piece, else to the float32 partials (part_cols)."""
+    in one split, else to the float32 partials (part_cols)."""
     o = gl.convert_layout(acc * norm[None, :], store)
     col = 128 * block + _sigma(gl.arange(0, 128, gl.SliceLayout(1, store)))
-    if pieces == 1:
+    if splits == 1:
         gl.store(out_cols[None, :] + col[:, None], o.to(out_cols.dtype.element_ty),
                  mask=row_ok[None, :])
     else:
@@ -427,21 +410,18 @@ def _decode_fp8_kernel(
     L: gl.constexpr, R: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
     TILE_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One piece, as `decode_hopper._decode_partial_ws_kernel` with an fp8 cache."""
+    """One split, as `decode_hopper._decode_partial_ws_kernel` with an fp8 cache."""
     HALF_L: gl.constexpr = latent_desc.block_type.shape[1]
     kv_scale = gl.load(scale_ptr)  # first: its round trip overlaps the work row's
-    (group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
+    (group, splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
      partial) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
-    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+    if splits == 0:  # past the plan's splits: exit before any set-up (`split_plan`)
         return
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 32])
     rows: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    latent_layout: gl.constexpr = latent_desc.layout
-    rope_layout: gl.constexpr = rope_desc.layout
-    ring_a, ring_b, ring_r, ready, empty = allocate_ring(
-        latent_desc.dtype, latent_layout, rope_layout, STAGES, TILE_N, HALF_L, R)
+    ring_a, ring_b, ring_r, ready, empty = copy_ring(latent_desc, rope_desc, STAGES, TILE_N)
 
     latent_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, HALF_L],
                                                                   gl.float8e4nv)
@@ -507,11 +487,11 @@ def _decode_fp8_kernel(
     at = r_st.to(gl.int64) * gl.num_programs(1) + partial
     part_cols = part_ptr + at * L
     store_ok = row_ok & (lse > float("-inf"))  # a partial with no visible key is never read
-    _store_block(acc0, norm, 0, out_cols, part_cols, row_ok, store_ok, pieces, store)
-    _store_block(acc1, norm, 1, out_cols, part_cols, row_ok, store_ok, pieces, store)
-    _store_block(acc2, norm, 2, out_cols, part_cols, row_ok, store_ok, pieces, store)
-    _store_block(acc3, norm, 3, out_cols, part_cols, row_ok, store_ok, pieces, store)
-    if pieces == 1:
+    _store_block(acc0, norm, 0, out_cols, part_cols, row_ok, store_ok, splits, store)
+    _store_block(acc1, norm, 1, out_cols, part_cols, row_ok, store_ok, splits, store)
+    _store_block(acc2, norm, 2, out_cols, part_cols, row_ok, store_ok, splits, store)
+    _store_block(acc3, norm, 3, out_cols, part_cols, row_ok, store_ok, splits, store)
+    if splits == 1:
         gl.store(lse_ptr + token * stride_lt + head * stride_lh, lse, mask=row_ok)
     else:
         gl.store(part_lse_ptr + at, lse, mask=row_ok)
@@ -520,17 +500,12 @@ def _decode_fp8_kernel(
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted (as `decode_hopper.decode_partial`,
-    one piece per program: not PERSISTENT)."""
+    one split per program)."""
     latent_desc, rope_desc = page_descriptors(data, L)
-    _decode_fp8_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, scale, block_table, plan.work, out, lse, part_out,
-        part_lse,
-        q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(1), lse.stride(0), q.shape[1], float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, num_warps=4,
-    )
+    launch(_decode_fp8_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES,
+           num_warps=4)

@@ -1,6 +1,6 @@
 """Stage 1 of paged latent decode on Hopper for many query rows: 64 heads per program.
 
-Same contract as `decode._decode_partial_kernel` (one program per head group and piece
+Same contract as `decode_triton._decode_partial_kernel` (one program per head group and split
 of a request; final output or float32 partials plus lse), for the compute-bound regime: more
 than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
 data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8; with
@@ -21,9 +21,9 @@ The score warpgroup starts on tile i + 1 while the output warpgroups multiply ti
 so the tensor cores always hold both kinds of product. With a 16-bit cache the score
 warpgroup holds q's first latent half in registers as the A operand of S's first
 product: S reads both operands from shared memory otherwise, and at N = 64 that takes
-all of shared memory's bandwidth (session 11: 1-8% faster). q (72 KB), the ring (2 x 72 KB)
-and P (8 KB) fill 224 of the 227 KB of shared memory; P has one buffer, guarded by a
-`p_ready` / `p_free` mbarrier pair.
+all of shared memory's bandwidth. q (72 KB), the ring (2 x 72 KB) and P (8 KB) fill 224
+of the 227 KB of shared memory; P has one buffer, guarded by a `p_ready` / `p_free`
+mbarrier pair.
 
 An fp8 cache needs its tiles widened to 16 bits before either product (Hopper's 8-bit
 wgmma takes only K-major operands, and V is not). There is no room for an e4m3 staging
@@ -57,6 +57,8 @@ from pagedmla.ops.triton.decode_hopper import (
     BLOCK_N,
     STAGES,
     allocate_ring,
+    deepseek_call,
+    launch,
     load_q,
     page_descriptors,
     pages_copyable,
@@ -71,18 +73,6 @@ from pagedmla.ops.triton.split_plan import SplitPlan
 
 BLOCK_H = 64  # query rows per program: the wgmma's M
 MIN_ROWS = 17  # fewer rows go to `decode_hopper` (swapped products, 16 rows)
-PERSISTENT = False  # one piece per program (`split_plan`)
-# A piece's cost past one wave of requests, in tiles (`split_plan`): none. Two made the
-# plan cut 70 x 8k at N = 128 in 198 pieces instead of 264: bf16 as fast, fp8 4.6%
-# slower (H200, session 39).
-PAST_WAVE_TILES = 0
-# A last partial wave's price past one wave, as a fraction of a full one (`split_plan`).
-# Bound by the tensor cores at N = 128, a partial wave's programs run hardly faster than
-# a full wave's. H200, N = 128, B = 67-112 x 4k and 8k (session 40), against 0.6: 80,
-# 88 and 96 x 4k 5-7% faster (80 x 4k bf16 384 -> 414 TFLOP/s), 88 x 8k 7%, fp8 80 x 4k
-# and 100 x 8k 8-10%, none slower beyond the runs' spread; 1.0 cut 100 x 4k in 132
-# pieces, 2% slower than whole requests.
-LONE_WAVE = 0.9
 FP8_PREFETCH = gl.constexpr(2)  # tiles ahead that the fp8 widener asks L2 for
 # Registers per thread of the fp8 kernel's two worker warpgroups (score, widening), so
 # that the output warpgroups get 160 (the default partition takes what is left).
@@ -114,14 +104,13 @@ def _fp8_exponents(dtype: torch.dtype | None) -> dict[str, int]:
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: `decode.hopper_kernel`
-    checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
+    `selection` checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and a cache layout the
     tiles can come from: pages the copy engine reads (16-bit,
     `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
     and rows (the widener loads rows of 16-byte vectors)."""
-    if not (L == 512 and data.shape[-1] == L + 64 and num_rows >= MIN_ROWS
-            and q.dtype in (torch.bfloat16, torch.float16)
+    if not (deepseek_call(q, data, L) and num_rows >= MIN_ROWS
             and data.dtype in (q.dtype, FP8_DTYPE)):
         return False
     if data.dtype != FP8_DTYPE:
@@ -341,17 +330,17 @@ def _decode_heads_kernel(
     PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr, Q_EXP: gl.constexpr,
     RAW_EXP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One (head group of BLOCK_H rows, piece), as `decode._decode_partial_kernel`. A
+    """One (head group of BLOCK_H rows, split), as `decode_triton._decode_partial_kernel`. A
     16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
     rope_desc ([TILE_N, R] boxes) over the cache viewed as [pages x PAGE, L + R] rows;
     an fp8 cache is read as uint8 codes through codes_ptr (row stride stride_cp, pages
     PAGE_ROWS rows apart), the descriptors None, and PF_ROWS rows per L2 request
-    (`_prefetch_rows`). Pieces start at multiples of TILE_N (the split plan's tile).
+    (`_prefetch_rows`). Splits start at multiples of TILE_N (the split plan's tile).
     num_warps = 8: the two output warpgroups."""
     HALF_L: gl.constexpr = L // 2
-    (group, pieces, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
+    (group, splits, req, seq_len, q_begin, q_len, num_rows, lo, hi, num_tiles,
      partial) = program_slice(work_ptr, num_heads, BLOCK_H, TILE_N)
-    if pieces == 0:  # past the plan's pieces: exit before any set-up (`split_plan`)
+    if splits == 0:  # past the plan's splits: exit before any set-up (`split_plan`)
         return
 
     compute: gl.constexpr = q_ptr.dtype.element_ty
@@ -436,8 +425,8 @@ def _decode_heads_kernel(
                    (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - Q_EXP) * 0.6931471805599453,
                    float("-inf"))  # natural log
     # Stored from a row-contiguous layout (a warp's store covers 128 columns of one
-    # row), through shared memory: straight from the mma layout each store touched
-    # eight rows, 32 bytes of each (2-3% slower where a request is one piece).
+    # row), through shared memory: straight from the mma layout each store would touch
+    # eight rows, 32 bytes of each.
     store: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     out_a = gl.convert_layout(acc_a * norm[:, None], store)
     out_b = gl.convert_layout(acc_b * norm[:, None], store)
@@ -445,7 +434,7 @@ def _decode_heads_kernel(
     lse = gl.convert_layout(lse, gl.SliceLayout(1, store))
     row_ok = r_out < num_rows
     out_cols = gl.arange(0, HALF_L, gl.SliceLayout(0, store))
-    if pieces == 1:
+    if splits == 1:
         token = (q_begin + r_out // num_heads).to(gl.int64)
         head = (r_out % num_heads).to(gl.int64)
         out_rows = out_ptr + token * stride_ot + head * stride_oh
@@ -467,27 +456,17 @@ def _decode_heads_kernel(
 def decode_partial(
     q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
     plan: SplitPlan, out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-    part_lse: torch.Tensor, head_groups: int, softmax_scale: float,
-    L: int,
+    part_lse: torch.Tensor, head_groups: int, softmax_scale: float, L: int,
 ) -> None:
     """Launch stage 1 for a batch `supported` accepted: grid (head_groups, plan.programs),
-    head_groups = ceil(N * max_query_len / BLOCK_H), a piece of the split plan per
-    program (not PERSISTENT).
-
-    q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
-    [] float32); out [T, N, L] and lse [N, T] for requests in one piece, part_out
-    [.., plan.rows, L] and part_lse float32 for the others' partials (as
-    `decode.mla_decode`)."""
+    head_groups = ceil(N * max_query_len / BLOCK_H), a split of the plan per program. The
+    arguments are `decode_triton.decode_partial`'s."""
     is_fp8 = data.dtype == FP8_DTYPE
     latent_desc, rope_desc = (None, None) if is_fp8 else page_descriptors(data, L)
-    _decode_heads_kernel[(head_groups, plan.programs)](
-        q, latent_desc, rope_desc, data.view(torch.uint8) if is_fp8 else data, scale,
-        block_table, plan.work, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), data.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-        q.shape[1], float(softmax_scale),
-        L=L, R=data.shape[-1] - L, PAGE=data.shape[1], BLOCK_H=BLOCK_H, TILE_N=BLOCK_N,
-        STAGES=STAGES, IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
-        PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
-        **_fp8_exponents(q.dtype if is_fp8 else None),
-    )
+    launch(_decode_heads_kernel, q, data, scale, block_table, plan, out, lse, part_out,
+           part_lse, head_groups, softmax_scale, L, latent_desc=latent_desc,
+           rope_desc=rope_desc, codes_ptr=data.view(torch.uint8) if is_fp8 else data,
+           stride_cp=data.stride(1), BLOCK_H=BLOCK_H, TILE_N=BLOCK_N, STAGES=STAGES,
+           IS_FP8=is_fp8, PAGE_ROWS=data.stride(0) // data.stride(1),
+           PF_ROWS=_prefetch_rows(data.shape[1]) if is_fp8 else 0, num_warps=8,
+           **_fp8_exponents(q.dtype if is_fp8 else None))

@@ -21,8 +21,8 @@ from triton.experimental.gluon import language as gl
 #   its sign bit over the high byte (selectors 0x9180 / 0xB3A2), so one left shift puts
 #   exponent and mantissa in place under the sign, and one mask clears what lies
 #   between (four per pair; ptxas makes the shift an integer multiply-add).
-# The 64-row kernel's widener, its bottleneck, runs 6-11% faster with the second (same-run
-# A/B on one H200, session 14); the 16-row fp8 kernel's q and P splits use the first.
+# The 64-row kernel's widener, its bottleneck, uses the second (the fewer instructions);
+# the 16-row fp8 kernel's q and P splits use the first.
 _SPLIT_SIGN = """{{
 .reg .b32 t, u, k;
 mov.b32 k, {one};
@@ -94,8 +94,8 @@ def e4m3_bits_to(bits, dtype: gl.constexpr, COPIED_SIGN: gl.constexpr = False,
 
 # float32 -> e4m3 (round to nearest, saturating), four values into one 32-bit word. In
 # PTX because Triton 3.6's own conversions between e4m3 and float32, which go through
-# 16-bit registers, gave wrong values or stored wrong bytes for half of the elements in
-# the 16-row fp8 kernel's layouts (on an H200); the way back is `e4m3_bits_to`.
+# 16-bit registers, give wrong values or store wrong bytes for half of the elements in
+# the 16-row fp8 kernel's layouts; the way back is `e4m3_bits_to`.
 _FROM_F32 = gl.constexpr("""{
 .reg .b16 lo, hi;
 cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;

@@ -57,8 +57,8 @@ def _merge_kernel(
     o_s = tl.load(suffix_ptr + t * stride_st + h[:, None] * stride_sh + cols[None, :],
                   mask=(head_ok & (w_s > 0.0))[:, None] & col_ok, other=0.0)
     # In place, a head's lse is read by threads of several warps and written by one:
-    # every read must land before any write (found on an H200: without the barrier a
-    # warp could read an lse another warp had already merged).
+    # every read must land before any write (without the barrier a warp can read an lse
+    # another warp has already merged; tests/test_triton_merge.py's GPU test).
     tl.debug_barrier()
     merged = o_p.to(tl.float32) * (w_p / denom)[:, None] + o_s.to(tl.float32) * (
         w_s / denom)[:, None]

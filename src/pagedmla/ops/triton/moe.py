@@ -43,22 +43,20 @@ class MoEConfig:
     num_stages: int
 
 
-# Shared memory the pipelined tiles may take (227 KB per program on an H200). Triton
-# buffers num_stages - 1 sets of a loop's tiles (measured: 2 x 136 KB for float32 tiles
-# of 16 x 128 and two of 128 x 128 at 3 stages).
+# Shared memory the pipelined tiles may take (of the 227 KB a Hopper program may use).
+# Triton buffers num_stages - 1 sets of a loop's tiles (2 x 136 KB for float32 tiles of
+# 16 x 128 and two of 128 x 128 at 3 stages).
 SHARED_BUDGET = 220 * 1024
 
 
 def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> MoEConfig:
     """Rows per block about the pairs an expert gets, 16 (the MMA minimum) to 128.
 
-    From a sweep on an H200 in bf16 (`benchmarks/bench_moe.py --sweep`: block_m, block_n
+    Tuned in bf16 with `python benchmarks/bench_moe.py --sweep` (block_m, block_n
     64/128, block_k 64/128, 4/8 warps, 3/4 stages; graph replay): few rows (weight-read
-    bound) want long reduction steps, V2-Lite experts at 128 tokens 394 -> 382 us, V3's
-    5503 -> 5109 us; many rows want large tiles and 8 warps, V2-Lite at 4096 tokens
-    1677 -> 1325 us. Wider elements (float32) shrink stages, then block_k, then block_n
-    until the gate_up kernel's buffered stages (an x tile and two weight tiles each) fit
-    SHARED_BUDGET.
+    bound) want long reduction steps; many rows want large tiles and 8 warps. Wider
+    elements (float32) shrink stages, then block_k, then block_n until the gate_up
+    kernel's buffered stages (an x tile and two weight tiles each) fit SHARED_BUDGET.
     """
     block_m = min(128, max(16, next_pow2(cdiv(num_pairs, num_experts))))
     if block_m >= 64:

@@ -1,6 +1,6 @@
 """Variable-length attention with log-sum-exp on Hopper: a warp-specialized Gluon kernel.
 
-Same contract as `prefill._varlen_attention_kernel` (one program per query block of 128
+Same contract as `prefill_triton._varlen_attention_kernel` (one program per query block of 128
 rows, head and sequence; bottom-right causal; out and lse), for 16-bit inputs whose
 rows the bulk tensor copy engine (TMA) can read. Why a second kernel: the Triton one
 loads K and V with pointer arithmetic in the instruction stream that also runs the
@@ -25,9 +25,8 @@ tensor, where the copy reads zeros): they are computed and not stored. Key rows 
 the sequence are masked out of the scores, and their V rows are zeroed in shared memory
 before P V (they belong to the next sequence and need not be finite).
 
-Measured on an H200 (docs/PERFORMANCE.md): qk 192 / v 128 causal, N = 16-128, 4k-16k
-tokens, 0.90-1.04x PyTorch's cuDNN attention and 1.12-1.43x the Triton kernel; the
-same kernel without the ping-pong (both consumers in one partition) 0.78-0.93x cuDNN.
+Its speed against PyTorch's cuDNN attention and the Triton kernel is in
+docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pagedmla.ops.triton._utils import l2_cache_bytes, next_pow2
 from pagedmla.ops.triton.decode_hopper import box_layout
-from pagedmla.ops.triton.prefill import SEQ_CHUNK, packed_blocks
+from pagedmla.ops.triton.prefill_triton import SEQ_CHUNK, packed_blocks
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 STAGES = 2  # key tiles in flight
@@ -90,7 +89,7 @@ def _copyable(t: torch.Tensor) -> bool:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
               ) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: `prefill.varlen_attention`
+    """Whether this kernel takes the call (on a Hopper GPU: the prefill table in `selection`
     checks the device): 16-bit q, k and v of one dtype; qk head dim 64, 128, 192 or
     256 and v head dim 64, 128 or 256 within the shared memory budget; copyable rows;
     a positive softmax scale (the running max is kept in scaled units: max(s) x scale
@@ -293,7 +292,8 @@ def _add(a, b):
 
 @gluon.jit
 def _query_blocks(cu_q_ptr, s, num_seqs, BLOCK_M: gl.constexpr):
-    """As `prefill._query_blocks`: query blocks in sequences s, and which of s exist."""
+    """As `prefill_triton._query_blocks`: query blocks in sequences s, and which of s
+    exist."""
     ok = s < num_seqs
     lo = gl.load(cu_q_ptr + s, mask=ok, other=0)
     hi = gl.load(cu_q_ptr + s + 1, mask=ok, other=0)
@@ -302,7 +302,8 @@ def _query_blocks(cu_q_ptr, s, num_seqs, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
-    """(sequence, query block) of the program launched i-th, as `prefill._packed_block`
+    """(sequence, query block) of the program launched i-th, as
+    `prefill_triton._packed_block`
     (Gluon needs the chunk's layout): past the first block, (num_seqs, 0)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, SEQ_CHUNK, layout)

@@ -1,97 +1,85 @@
-"""How a decode batch is cut into pieces for split-KV, decided on the device.
+"""How a decode batch is cut into splits for split-KV, decided on the device.
 
-Stage 1 of `decode.mla_decode` runs a program per head group and piece, a piece being a
-slice of one request's positions (or per run of pieces, in the persistent plan below);
-the combine then folds each request's pieces by log-sum-exp. How to cut is decided here
+Stage 1 of `decode.mla_decode` runs a program per head group and split, a split being a
+slice of one request's positions (or per run of splits, in the persistent plan below);
+the combine then folds each request's splits by log-sum-exp. How to cut is decided here
 from the batch's actual lengths, by one small kernel, because the host knows only bounds
 (batch size, max_seq_len): a CUDA graph captured with short contexts must stay fast when
 replayed with long ones, and one long request among short ones must not leave a few
 multiprocessors doing all its work.
 
-The rule. Lengths are counted in tiles of BLOCK_N positions; t_b for request b, t_max
-the longest. Every request is cut into pieces of at most T tiles, one T for the whole
-batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 .. max_pieces
-(s: the longest request's piece count). A candidate makes P(T) = sum_b ceil(t_b / T)
-pieces, which run in P x head_groups / slots waves of at most T tiles (an empty
-request, such as a CUDA graph's padding row, takes a program that exits at once and
-counts in no wave); each piece also pays a fixed cost (q, the first copy's latency, the
-epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written and
-read back (PARTIAL tiles). A batch that fits one wave uncut prices a partial wave as a
-full one. Past that, a candidate's last partial wave costs max(lone_wave, its fill) of
-a full one, lone_wave being the stage-1 kernel's own. For a memory-bound kernel it is
-LONE_WAVE: a partial wave's few programs share the memory bandwidth with fewer others,
-so each runs faster, and a batch just past a wave is better served by finer pieces
-than by a second full-length wave for its last requests (H200, N = 16, 140 x 4k: one
-piece 236 us, three 196). A kernel bound by its own chains (the fp8 16-row kernel) or
-by the tensor cores (the 64-row kernel at N = 128) runs a partial wave hardly or no
-faster than a full one, and declares more (`decode_hopper_fp8.LONE_WAVE`,
-`decode_hopper_heads.LONE_WAVE`). In such a batch the other programs of a memory-bound
-kernel keep the memory busy while one starts or ends a piece, so its pieces pay not
-OVERHEAD but the kernel's own `past_overhead`: none for those (with OVERHEAD, the plan
-kept 133 and 140 requests of 1088 positions whole, 6-10% slower than three pieces
-each), four tiles for the fp8 16-row kernel, bound by its own chains
-(`decode_hopper_fp8.PAST_WAVE_TILES`). A batch past one wave has a second family of
-candidates too, whole waves: for k = 1 .. WHOLE_WAVES, k waves' worth of pieces (P = k x
-slots / head_groups) shared out in proportion to the requests' tiles by cumulative
-rounding (request b gets round(C_b P / C) - round(C_{b-1} P / C) pieces, C_b the tiles
-of requests 0 .. b, C all of them; at least one, at most max_pieces, none under
-MIN_TILES), so that a uniform batch of B requests is cut into a or a + 1 pieces each (a
-= P // B), which no single piece size makes. The programs start pieces as earlier ones
-end, so a wave's piece sizes even out over the SMs but for the last pieces: such a
-candidate costs its waves x the mean piece (plus PARTIAL and past_overhead) plus
-(largest piece - mean piece) for the tail (fitted on H200 timings of hand-made layouts,
-N = 16: 140 x 2k/4k/8k cut into three or four waves of 3/4 and 4/5 pieces per request
-ran 5-9% faster than the best uniform cut).
-The cheapest candidate of either family wins, and the one with the fewest pieces
-within 3% of it is taken (a uniform one on a tie). Request b is then cut into its
-pieces of equal whole-tile size. For a uniform batch the uniform family is the split
-count a host planner would choose; for a ragged one, either family cuts the long
-requests finer than the short ones. The requests whose pieces are at least the mean
-piece take the first programs, the others the last. The kinds must not be interleaved
-(140 x 4k in four waves of 3 or 4 pieces per request: 182 us with the 3-piece requests
-first, 183 with them last, 193 interleaved); bigger first is longest-first list
-scheduling, as the GPU starts programs in order as SMs free up, and an event model of
-that dispatch prefers it on ragged batches.
+The scored plan. Lengths are counted in tiles of BLOCK_N positions; t_b for request b,
+t_max the longest. Every request is cut into splits of at most T tiles, one T for the
+whole batch, from the candidates T_s = max(ceil(t_max / s), MIN_TILES), s = 1 ..
+max_splits (s: the longest request's split count). A candidate makes P(T) = sum_b
+ceil(t_b / T) splits, which run in P x head_groups / slots waves of at most T tiles (an
+empty request, such as a CUDA graph's padding row, takes a program that exits at once
+and counts in no wave); each split also pays a fixed cost (q, the first copy's latency,
+the epilogue: OVERHEAD tiles) and, once any request is cut, its float32 partial written
+and read back (PARTIAL tiles). A batch that fits one wave uncut costs a partial wave as
+a full one. Past that, a candidate's last partial wave costs max(tail_wave, its fill) of
+a full one, tail_wave being the stage-1 kernel's own (`selection`): TAIL_WAVE for a
+memory-bound kernel, whose programs in a partial wave share the memory bandwidth with
+fewer others and so run faster, which makes finer splits worth more than a second
+full-length wave for a batch's last requests; more for a kernel bound by its own chains
+of work or by the tensor cores, which runs a partial wave hardly faster than a full
+one. Past one wave, too, a split pays not OVERHEAD but the kernel's own past_wave_tiles:
+none for a memory-bound kernel, whose other programs keep the memory busy while one
+starts or ends a split. A batch past one wave has a second family of candidates, whole
+waves: for k = 1 .. WHOLE_WAVES, k waves' worth of splits (P = k x slots / head_groups)
+shared out in proportion to the requests' tiles by cumulative rounding (request b gets
+round(C_b P / C) - round(C_{b-1} P / C) splits, C_b the tiles of requests 0 .. b, C all
+of them; at least one, at most max_splits, none under MIN_TILES), so that a uniform
+batch of B requests is cut into a or a + 1 splits each (a = P // B), which no single
+split size makes. The programs start splits as earlier ones end, so a wave's split
+sizes even out over the SMs but for the last splits: such a candidate costs its waves x
+the mean split (plus PARTIAL and past_wave_tiles) plus (largest split - mean split) for
+the tail. The cheapest candidate of either family wins, and the one with the fewest
+splits within 3% of it is taken (a uniform one on a tie). Request b is then cut into
+its splits of equal whole-tile size. For a uniform batch the uniform family is the
+split count a host planner would choose; for a ragged one, either family cuts the long
+requests finer than the short ones. The requests whose splits are at least the mean
+split take the first programs, the others the last, not interleaved: bigger first is
+longest-first list scheduling, as the GPU starts programs in order as SMs free up.
 
-The persistent plan. Pieces that run as separate programs each pay a start (the work
-row, q, the first copy's latency) on an SM that had been streaming, and programs
-finish unevenly. A stage-1 kernel that runs a run of pieces in one program (the 16-row
-bf16 kernel, `decode_hopper`, whose copy ring goes on from one piece to the next, and
-the Triton kernel) allows the even split instead: the batch's tiles in request order,
-an empty request weighing one, are cut into runs of share = ceil(tiles / W) for one
-wave of W = slots / head_groups programs, and program p takes the pieces (one per
+The persistent plan. Splits that run as separate programs each pay a start (the work
+row, q, the first copy's latency) on an SM that had been streaming, and programs finish
+unevenly. A stage-1 kernel that runs a run of splits in one program (`persistent`: the
+16-row bf16 kernel, `decode_hopper`, whose copy ring goes on from one split to the
+next, and the Triton kernel) allows the even cut instead: the batch's tiles in request
+order, an empty request weighing one, are cut into runs of share = ceil(tiles / W) for
+one wave of W = slots / head_groups programs, and program p takes the splits (one per
 request its run meets) of tiles [p share, (p + 1) share). It costs its even share plus
-STREAM tiles (the combine of the requests it cuts, a piece's start where a run meets a
+STREAM tiles (the combine of the requests it cuts, a split's start where a run meets a
 request), and is taken past one wave of requests where that beats the scored plan's
-best, which within its grid (a program per request) is whole requests: a uniform batch
-whose last wave is nearly full keeps them (H200, N = 16: 256 x 4k whole 288.8 us,
-persistent 299.1), one just past a wave does not (140 x 4k: 178.9 us, the whole-wave
-plan 184.6).
+best, which within its grid (a program per request) is whole requests.
 
-The even plan. A stage-1 kernel that runs one piece per program (the fp8 16-row and
-the 64-row kernels) can still take the persistent plan's even cut: its pieces, each
-its own program, dispatched longest first (the rows sorted by size, so the GPU's
-in-order starts make it list scheduling). Each piece pays its start and its partial
-here, and the busiest slot runs ceil(pieces x head_groups / slots) of them, so it
-costs share + STREAM + that many x (past_overhead + PARTIAL) tiles; it is taken past
-one wave where that beats the scored plan's best and its pieces fit the grid and
-max_pieces. It serves batches just past one wave, which the scored family can only cut
-in whole-tile pieces per request, two or three waves of them with a ragged last one
-(H200, N = 128 bf16, 67 x 4k: scored 197.9 us, even 172.1; 100 x 8k: 504.0 / 457;
-fp8 N = 16, 140 x 4k: 122.0 / 106.6), and loses to it where a wave of whole requests
-is nearly full (fp8 N = 16 256 x 4k, N = 128 128 x 4k; 170 x 1088 fp8: 58.5 / 56.0).
+The even plan. A stage-1 kernel that runs one split per program (the fp8 16-row and the
+64-row kernels) can still take the persistent plan's even cut: its splits, each its own
+program, dispatched longest first (the rows sorted by size, so the GPU's in-order
+starts make it list scheduling). Each split pays its start and its partial here, and
+the busiest slot runs ceil(splits x head_groups / slots) of them, so it costs share +
+STREAM + that many x (past_wave_tiles + PARTIAL) tiles; it is taken past one wave where
+that beats the scored plan's best and its splits fit the grid and max_splits. It serves
+batches just past one wave, which the scored family can only cut in whole-tile splits
+per request, two or three waves of them with a ragged last one.
 
-The plan is three int32 tensors: `work`, WORK-field rows, one per piece (request, first
-position, end position, the request's piece count, the request's seq_len, first token
-and q_len, so that a program learns its work in one round trip, and the piece's partial
-index), request -1 for rows past the last piece; `starts`, program p's pieces being
+The plan is three int32 tensors: `work`, WORK-field rows, one per split (request, first
+position, end position, the request's split count, the request's seq_len, first token
+and q_len, so that a program learns its work in one round trip, and the split's partial
+index), request -1 for rows past the last split; `starts`, program p's splits being
 rows starts[p] .. starts[p + 1] - 1 (row p alone, or none, but in the persistent plan);
-and `cut`, one WORK-field row per request cut in more than one piece (request, its
-first partial index, its piece count, ...), which the combine runs over, so that a
-batch none of whose requests is cut costs it next to nothing. A request's pieces have
+and `cut`, one WORK-field row per request cut in more than one split (request, its
+first partial index, its split count, ...), which the combine runs over, so that a
+batch none of whose requests is cut costs it next to nothing. A request's splits have
 consecutive partial indices, so each of its query rows has its partials side by side
 in the partial buffer ([token, head, partial, L]) whatever order the rows run in; the
 partial index is the row's own but in the even plan.
+
+The constants that cost splits and waves (OVERHEAD_TILES, TAIL_WAVE, EXTRA_WAVES,
+STREAM_TILES, and the kernels' own in `selection`) are tuned with `python
+benchmarks/bench_split_plan.py` (uniform batches around one wave, --ragged for ragged
+ones, --cache fp8).
 """
 
 from __future__ import annotations
@@ -104,38 +92,32 @@ import triton.language as tl
 
 from pagedmla.ops.triton._utils import cdiv, next_pow2
 
-MAX_SPLITS = 128  # pieces of one request at most: bounds the combine's [pieces, columns] tile
-OVERHEAD_TILES = 2  # a piece's fixed cost, in tiles of cache (q, the first copy, the epilogue)
+MAX_SPLITS = 128  # splits of one request at most: bounds the combine's [splits, columns] tile
+OVERHEAD_TILES = 2  # a split's fixed cost, in tiles of cache (q, the first copy, the epilogue)
 # A cut request's partial ([rows, L] float32, written then read back) moves about as many
 # bytes as 4 x rows bf16 cache rows of 576 columns (DeepSeek widths).
 PARTIAL_ROWS_PER_ROW = 4
-# A last partial wave's cost, as a fraction of a full wave's, past one wave of requests,
-# for a memory-bound stage-1 kernel (each declares its own, `plan_splits`' lone_wave):
-# H200, N = 16, B = 140 against 256 x 4k (8 programs of the second wave alone: 0.61 of
-# a full one), 170 and 200 x 4k (38 and 68 programs: 0.6, 0.67).
-LONE_WAVE = 0.6
+# A last partial wave's cost past one wave of requests, as a fraction of a full wave's,
+# for a memory-bound stage-1 kernel (each kernel states its own: `selection`).
+TAIL_WAVE = 0.6
 # Stage-1 programs past a batch of more requests than one wave, in waves: room for the
-# finer pieces that such a batch is cut in (133-170 x 4k: two or three pieces), where
-# its last wave of whole requests would be filled less than lone_wave; one wave else
-# (room to cut a few long requests), since a uniform batch that fills its last wave
-# that far stays whole, and the idle programs of a wider grid cost it (B = 256 x 4k,
-# N = 16: 294.6 us with one wave of room, 296.0 with three).
+# finer splits such a batch is cut in, where its last wave of whole requests would be
+# filled less than tail_wave; one wave else (room to cut a few long requests), since a
+# uniform batch that fills its last wave that far stays whole, and the idle programs of
+# a wider grid cost it.
 EXTRA_WAVES = 3
 WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 at most)
 # Requests per step of the plan kernel's loops: at most 64, fewer for a smaller batch
 # (at least 16), since every step's tensors are this wide whatever the batch.
 _BLOCK_B = 64
 _MIN_BLOCK_B = 16
-# The plan kernel's warps. Measured (session 44, the plan alone): with 4, B = 1 plans no
-# faster than with 8, and fp8 batches past one wave 1.1-1.25x slower.
-_PLAN_WARPS = 8
+_PLAN_WARPS = 8  # the plan kernel's warps (4 plan fp8 batches past one wave slower)
 _BLOCK_P = 128  # programs per step of its last loop
-_BLOCK_J = 32  # pieces of a request per step of the loops that write the rows
+_BLOCK_J = 32  # splits of a request per step of the loops that write the rows
 # The persistent plan's cost over its even share of the batch, in tiles: the combine of
-# the requests it cuts and a piece's start at each request a program meets. It is taken
+# the requests it cuts and a split's start at each request a program meets. It is taken
 # where it beats the scored plan's best (with its grid, whole requests past a wave) by
-# that much: H200, N = 16, 256 x 4k in two waves of whole requests 288.8 us, persistent
-# 299.1 (share 125 tiles, 128 for the waves); 200 x 4k 244.8 / 240.4.
+# that much.
 STREAM_TILES = 2
 WORK = 8  # int32 fields per row of the plan's work and cut (32 bytes)
 WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
@@ -143,15 +125,15 @@ WORK_FIELDS = tl.constexpr(WORK)  # the same, for kernels (Triton's and Gluon's)
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """A batch's pieces (see the module docstring).
+    """A batch's splits (see the module docstring).
 
-    work int32 [rows, WORK]: (request or -1, lo, hi, the request's pieces, seq_len,
-    first token, q_len, partial index) per piece; cut int32 [max_cut, WORK]: (request,
-    its first partial index, 0, its pieces, seq_len, first token, q_len, 0) for each
-    request in more than one piece, then rows of request -1; starts int32
-    [programs + 1]: stage-1 program p takes the pieces starts[p] .. starts[p + 1] - 1
-    (just piece p but in the persistent plan). programs, max_pieces and max_cut (cut's
-    length) are host bounds: the stage-1 grid, the most pieces any request gets, the
+    work int32 [rows, WORK]: (request or -1, lo, hi, the request's splits, seq_len,
+    first token, q_len, partial index) per split; cut int32 [max_cut, WORK]: (request,
+    its first partial index, 0, its splits, seq_len, first token, q_len, 0) for each
+    request in more than one split, then rows of request -1; starts int32
+    [programs + 1]: stage-1 program p takes the splits starts[p] .. starts[p + 1] - 1
+    (just split p but in the persistent plan). programs, max_splits and max_cut (cut's
+    length) are host bounds: the stage-1 grid, the most splits any request gets, the
     most requests cut.
     """
 
@@ -159,11 +141,11 @@ class SplitPlan:
     cut: torch.Tensor
     starts: torch.Tensor
     programs: int
-    max_pieces: int
+    max_splits: int
 
     @property
     def rows(self) -> int:
-        """Work rows (pieces and idle rows): the partial buffer's piece axis."""
+        """Work rows (splits and idle rows): the partial buffer's split axis."""
         return self.work.shape[0]
 
 
@@ -183,14 +165,14 @@ def _tiles(seq_lens_ptr, b, num_reqs, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, partial, mask):
-    """Rows of WORK int32 at `at` (a tensor of row addresses): (req, a, b, pieces,
+def _store_row(at, req, a, b, splits, seq_len, q_begin, q_len, partial, mask):
+    """Rows of WORK int32 at `at` (a tensor of row addresses): (req, a, b, splits,
     seq_len, q_begin, q_len, partial), each value broadcast to `at`'s shape, where mask."""
     zero = tl.zeros(at.shape, tl.int32)
     tl.store(at, zero + req, mask=mask)
     tl.store(at + 1, zero + a, mask=mask)
     tl.store(at + 2, zero + b, mask=mask)
-    tl.store(at + 3, zero + pieces, mask=mask)
+    tl.store(at + 3, zero + splits, mask=mask)
     tl.store(at + 4, zero + seq_len, mask=mask)
     tl.store(at + 5, zero + q_begin, mask=mask)
     tl.store(at + 6, zero + q_len, mask=mask)
@@ -198,43 +180,43 @@ def _store_row(at, req, a, b, pieces, seq_len, q_begin, q_len, partial, mask):
 
 
 @triton.jit
-def _waves(count, head_groups, slots, past_wave, LONE: tl.constexpr):
-    """Waves that `count` pieces of head_groups programs run in: whole ones, and a last
-    partial one priced as a full one within one wave, at max(LONE, its fill) past it."""
+def _waves(count, head_groups, slots, past_wave, TAIL: tl.constexpr):
+    """Waves that `count` splits of head_groups programs run in: whole ones, and a last
+    partial one costed as a full one within one wave, at max(TAIL, its fill) past it."""
     full = count * head_groups // slots
     fill = (count * head_groups - full * slots).to(tl.float32) / slots
-    last = tl.where(past_wave, tl.maximum(fill, LONE), 1.0)
+    last = tl.where(past_wave, tl.maximum(fill, TAIL), 1.0)
     return full.to(tl.float32) + tl.where(fill > 0, last, 0.0)
 
 
 @triton.jit
-def _whole_wave_pieces(t, done, total, goal, max_pieces, MIN_TILES: tl.constexpr,
+def _whole_wave_splits(t, done, total, goal, max_splits, MIN_TILES: tl.constexpr,
                        AXIS: tl.constexpr):
-    """Pieces of requests of t tiles (int32, along AXIS) after `done` tiles of the
-    batch, when `goal` pieces (broadcastable to t) are shared out over its `total` tiles by
-    cumulative rounding, within [1, max_pieces] and no piece under MIN_TILES; then
-    evened (ceil(t / ceil(t / n)) pieces of whole tiles). Empty requests get 1."""
+    """Splits of requests of t tiles (int32, along AXIS) after `done` tiles of the
+    batch, when `goal` splits (broadcastable to t) are shared out over its `total` tiles by
+    cumulative rounding, within [1, max_splits] and no split under MIN_TILES; then
+    evened (ceil(t / ceil(t / n)) splits of whole tiles). Empty requests get 1."""
     c = (done + tl.cumsum(t, AXIS)).to(tl.int64)
     goal = goal.to(tl.int64)
     total = tl.maximum(total, 1).to(tl.int64)
     n = ((2 * c * goal + total) // (2 * total)
          - (2 * (c - t) * goal + total) // (2 * total)).to(tl.int32)
-    n = tl.maximum(tl.minimum(tl.minimum(n, max_pieces), t // MIN_TILES), 1)
+    n = tl.maximum(tl.minimum(tl.minimum(n, max_splits), t // MIN_TILES), 1)
     return tl.where(t > 0, tl.cdiv(t, tl.maximum(tl.cdiv(t, n), 1)), 1)
 
 
 @triton.jit
 def _plan_kernel(
     seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr,
-    num_reqs, programs, rows, max_pieces, max_cut, head_groups, slots, forced,
+    num_reqs, programs, rows, max_splits, max_cut, head_groups, slots, forced,
     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, OVERHEAD: tl.constexpr,
-    PAST_OVERHEAD: tl.constexpr, PARTIAL: tl.constexpr, LONE: tl.constexpr,
+    PAST_WAVE_TILES: tl.constexpr, PARTIAL: tl.constexpr, TAIL: tl.constexpr,
     PERSISTENT: tl.constexpr, STREAM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One program plans the whole batch (see the module docstring); forced > 0 fixes
-    the longest request's piece count instead of scoring the candidates. PERSISTENT:
-    stage 1 runs several pieces per program, so a batch past one wave may take the
+    the longest request's split count instead of scoring the candidates. PERSISTENT:
+    stage 1 runs several splits per program, so a batch past one wave may take the
     persistent plan."""
     reqs = tl.arange(0, BLOCK_B)
     t_max = tl.full([], 0, tl.int32)
@@ -248,36 +230,36 @@ def _plan_kernel(
     live = num_reqs - empty
     past_wave = live * head_groups > slots
 
-    # Uniform candidates: pieces of at most `size` tiles, s for the longest request.
+    # Uniform candidates: splits of at most `size` tiles, s for the longest request.
     s = tl.arange(0, BLOCK_S) + 1
     size = tl.maximum(_cdiv(tl.broadcast_to(t_max, (BLOCK_S,)), s), MIN_TILES)  # tiles
-    count = tl.zeros([BLOCK_S], tl.int32)  # pieces of the non-empty requests
+    count = tl.zeros([BLOCK_S], tl.int32)  # splits of the non-empty requests
     for b0 in range(0, num_reqs, BLOCK_B):
         t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
         cut = _cdiv(tl.broadcast_to(t[None, :], (BLOCK_S, BLOCK_B)),
                     tl.broadcast_to(size[:, None], (BLOCK_S, BLOCK_B)))
         count += tl.sum(tl.where((b0 + reqs < num_reqs)[None, :], cut, 0), 1)
-    overhead = tl.where(past_wave, PAST_OVERHEAD, OVERHEAD) + tl.where(count > live, PARTIAL, 0)
-    cost = _waves(count, head_groups, slots, past_wave, LONE) * (size + overhead)
-    allowed = (s <= max_pieces) & (count + empty <= programs)
+    overhead = tl.where(past_wave, PAST_WAVE_TILES, OVERHEAD) + tl.where(count > live, PARTIAL, 0)
+    cost = _waves(count, head_groups, slots, past_wave, TAIL) * (size + overhead)
+    allowed = (s <= max_splits) & (count + empty <= programs)
     cost = tl.where(allowed, cost, float("inf"))
 
-    # Whole-wave candidates (past one wave): k waves' worth of pieces shared out.
+    # Whole-wave candidates (past one wave): k waves' worth of splits shared out.
     k = tl.arange(0, BLOCK_K) + 1
     goal = k * ((slots + head_groups - 1) // head_groups)
     w_count = tl.zeros([BLOCK_K], tl.int32)
-    w_max = tl.zeros([BLOCK_K], tl.int32)  # the largest piece, in tiles
+    w_max = tl.zeros([BLOCK_K], tl.int32)  # the largest split, in tiles
     done = tl.full([], 0, tl.int32)
     for b0 in range(0, num_reqs, BLOCK_B):
         t_row = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
         t = tl.broadcast_to(t_row[None, :], (BLOCK_K, BLOCK_B))
-        n = _whole_wave_pieces(t, done, total, goal[:, None], max_pieces, MIN_TILES, 1)
+        n = _whole_wave_splits(t, done, total, goal[:, None], max_splits, MIN_TILES, 1)
         w_count += tl.sum(tl.where(t > 0, n, 0), 1)
         w_max = tl.maximum(w_max, tl.max(tl.cdiv(t, n), 1))
         done += tl.sum(t_row, 0)
     w_mean = total.to(tl.float32) / tl.maximum(w_count, 1).to(tl.float32)
-    w_cost = (_waves(w_count, head_groups, slots, past_wave, LONE)
-              * (w_mean + PAST_OVERHEAD + tl.where(w_count > live, PARTIAL, 0))
+    w_cost = (_waves(w_count, head_groups, slots, past_wave, TAIL)
+              * (w_mean + PAST_WAVE_TILES + tl.where(w_count > live, PARTIAL, 0))
               + (w_max - w_mean))
     w_allowed = past_wave & (w_count + empty <= programs)
     w_cost = tl.where(w_allowed, w_cost, float("inf"))
@@ -288,7 +270,7 @@ def _plan_kernel(
     fewest = tl.min(tl.where(near, count, 2**30), 0)
     w_fewest = tl.min(tl.where(w_near, w_count, 2**30), 0)
     chosen = tl.min(tl.where(near & (count == fewest), s, BLOCK_S + 1), 0)
-    chosen = tl.where(forced > 0, tl.minimum(forced, max_pieces), chosen)
+    chosen = tl.where(forced > 0, tl.minimum(forced, max_splits), chosen)
     tiles = tl.maximum(tl.cdiv(t_max, chosen), MIN_TILES)
     whole = (w_fewest < fewest) & (forced == 0)
     w_goal = tl.min(tl.where(w_near & (w_count == w_fewest), goal, 2**30), 0)
@@ -308,21 +290,21 @@ def _plan_kernel(
         else:
             first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
                                        num_reqs, whole, total, w_goal, tiles, chosen_count,
-                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
-            _piece_starts(starts_ptr, programs, first, BLOCK_P)
+                                       max_splits, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
+            _split_starts(starts_ptr, programs, first, BLOCK_P)
     else:
-        # The even plan: the persistent plan's pieces, a program each, longest first.
-        # Its pieces are counted only where it may be taken (past one wave, not forced):
+        # The even plan: the persistent plan's splits, a program each, longest first.
+        # Its splits are counted only where it may be taken (past one wave, not forced):
         # over no requests else, which the condition below then turns down anyway.
         eligible = tl.where(past_wave & (forced == 0), num_reqs, 0)
         e_count, e_rows, e_most = _stream_counts(seq_lens_ptr, eligible, share, BLOCK_N,
                                                  BLOCK_B)
-        # The busiest slot runs ceil(pieces x head_groups / slots) programs, each paying
-        # a piece's start and its partial.
+        # The busiest slot runs ceil(splits x head_groups / slots) programs, each paying
+        # a split's start and its partial.
         e_cost = (share + STREAM
-                  + tl.cdiv(e_count * head_groups, slots) * (PAST_OVERHEAD + PARTIAL)
+                  + tl.cdiv(e_count * head_groups, slots) * (PAST_WAVE_TILES + PARTIAL)
                   ).to(tl.float32)
-        if (past_wave & (forced == 0) & (e_cost < best) & (e_most <= max_pieces)
+        if (past_wave & (forced == 0) & (e_cost < best) & (e_most <= max_splits)
                 & (e_rows <= programs)):
             first, cuts = _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
                                        num_reqs, share, BLOCK_N, BLOCK_J, BLOCK_B)
@@ -330,23 +312,23 @@ def _plan_kernel(
         else:
             first, cuts = _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr,
                                        num_reqs, whole, total, w_goal, tiles, chosen_count,
-                                       max_pieces, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
-        _piece_starts(starts_ptr, programs, first, BLOCK_P)
+                                       max_splits, MIN_TILES, BLOCK_N, BLOCK_J, BLOCK_B)
+        _split_starts(starts_ptr, programs, first, BLOCK_P)
     _idle_rows(work_ptr, cut_ptr, first, rows, cuts, max_cut, BLOCK_P)
 
 
 @triton.jit
 def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, whole, total,
-                 w_goal, tiles, chosen_count, max_pieces, MIN_TILES: tl.constexpr,
+                 w_goal, tiles, chosen_count, max_splits, MIN_TILES: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Write the scored plan's rows and cut list; returns the pieces and the cut requests.
+    """Write the scored plan's rows and cut list; returns the splits and the cut requests.
 
-    Each request in equal whole-tile pieces, as many as the chosen candidate gives it:
-    a whole-wave candidate's share (`whole`, of w_goal pieces) or pieces of at most
-    `tiles` tiles; its pieces are consecutive rows from `first` on. The requests whose
-    pieces are at least the mean piece come first, the others after them (two passes;
+    Each request in equal whole-tile splits, as many as the chosen candidate gives it:
+    a whole-wave candidate's share (`whole`, of w_goal splits) or splits of at most
+    `tiles` tiles; its splits are consecutive rows from `first` on. The requests whose
+    splits are at least the mean split come first, the others after them (two passes;
     the module docstring says why not interleaved). The requests cut in more than one
-    piece are listed in `cut` in that order too (what the combine runs over)."""
+    split are listed in `cut` in that order too (what the combine runs over)."""
     reqs = tl.arange(0, BLOCK_B)
     mean = total.to(tl.float32) / tl.maximum(chosen_count, 1).to(tl.float32)
     first = tl.full([], 0, tl.int32)
@@ -360,13 +342,13 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
             q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
             q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
             t = tl.cdiv(seq_len, BLOCK_N)
-            n = tl.where(whole, _whole_wave_pieces(t, done, total, w_goal, max_pieces,
+            n = tl.where(whole, _whole_wave_splits(t, done, total, w_goal, max_splits,
                                                    MIN_TILES, 0),
                          tl.maximum(tl.cdiv(t, tiles), 1))
             done += tl.sum(t, 0)
-            step = tl.cdiv(t, n)  # tiles per piece (0 for an empty request: one empty piece)
+            step = tl.cdiv(t, n)  # tiles per split (0 for an empty request: one empty split)
             n = tl.where(t > 0, tl.cdiv(t, tl.maximum(step, 1)), 1)
-            mine = (step.to(tl.float32) >= mean) == (rank == 0)  # big pieces first
+            mine = (step.to(tl.float32) >= mean) == (rank == 0)  # big splits first
             n = tl.where(in_batch & mine, n, 0)
             start = first + tl.cumsum(n, 0) - n
             first += tl.sum(n, 0)
@@ -379,14 +361,14 @@ def _scored_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, who
 def _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin, q_len, origin,
                   size, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     """Write the rows of a block of requests b (each a [BLOCK_B] tensor): request b's n
-    pieces at rows start.., piece k over tiles [origin + k size, origin + (k + 1) size)
-    clipped to the request; the requests of more than one piece listed in `cut` from
+    splits at rows start.., split k over tiles [origin + k size, origin + (k + 1) size)
+    clipped to the request; the requests of more than one split listed in `cut` from
     entry `cuts` on. Returns the cut list's new length."""
     is_cut = (n > 1).to(tl.int32)
     listed = cut_ptr + WORK_FIELDS * (cuts + tl.cumsum(is_cut, 0) - is_cut)
     _store_row(listed, b, start, 0, n, seq_len, q_begin, q_len, 0, is_cut > 0)
-    # Only as many columns of pieces as this block's requests have (most are whole or in
-    # a few pieces): the stores, masked or not, are most of the plan kernel's
+    # Only as many columns of splits as this block's requests have (most are whole or in
+    # a few splits): the stores, masked or not, are most of the plan kernel's
     # instructions.
     j = tl.arange(0, BLOCK_J)
     for j0 in range(0, tl.max(n, 0), BLOCK_J):
@@ -401,8 +383,8 @@ def _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin, q_len,
 
 
 @triton.jit
-def _piece_starts(starts_ptr, programs, used, BLOCK_P: tl.constexpr):
-    """starts of a plan of a piece per program: program p takes row p (none past `used`)."""
+def _split_starts(starts_ptr, programs, used, BLOCK_P: tl.constexpr):
+    """starts of a plan of a split per program: program p takes row p (none past `used`)."""
     p = tl.arange(0, BLOCK_P)
     for p0 in range(0, programs + 1, BLOCK_P):
         tl.store(starts_ptr + p0 + p, tl.minimum(p0 + p, used), mask=p0 + p <= programs)
@@ -448,7 +430,7 @@ def _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N: tl.constexpr):
     """Where requests b (a block of them, after `done` tiles of the batch) lie in the
     stream of tiles that persistent programs take `share` at a time: their weight
     (tiles, one for an empty request, 0 past the batch), first tile in the stream, first
-    program and piece count."""
+    program and split count."""
     in_batch = b < num_reqs
     w = tl.where(in_batch, tl.maximum(_tiles(seq_lens_ptr, b, num_reqs, BLOCK_N), 1), 0)
     begin = done + tl.cumsum(w, 0) - w
@@ -460,30 +442,30 @@ def _stream_span(seq_lens_ptr, b, num_reqs, done, share, BLOCK_N: tl.constexpr):
 @triton.jit
 def _stream_counts(seq_lens_ptr, num_reqs, share, BLOCK_N: tl.constexpr,
                    BLOCK_B: tl.constexpr):
-    """The persistent plan's pieces (`_stream_rows`, runs of `share` tiles): those of
+    """The persistent plan's splits (`_stream_rows`, runs of `share` tiles): those of
     requests with positions, all of them (an empty request's among them), and the most
     of one request."""
     reqs = tl.arange(0, BLOCK_B)
     live = tl.full([], 0, tl.int32)
-    pieces = tl.full([], 0, tl.int32)
+    splits = tl.full([], 0, tl.int32)
     most = tl.full([], 0, tl.int32)
     done = tl.full([], 0, tl.int32)
     for b0 in range(0, num_reqs, BLOCK_B):
         w, _, _, n = _stream_span(seq_lens_ptr, b0 + reqs, num_reqs, done, share, BLOCK_N)
         t = _tiles(seq_lens_ptr, b0 + reqs, num_reqs, BLOCK_N)
         live += tl.sum(tl.where(t > 0, n, 0), 0)
-        pieces += tl.sum(n, 0)
+        splits += tl.sum(n, 0)
         most = tl.maximum(most, tl.max(n, 0))
         done += tl.sum(w, 0)
-    return live, pieces, most
+    return live, splits, most
 
 
 @triton.jit
 def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, share,
                  BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_B: tl.constexpr):
     """Write the persistent plan's rows and cut list (see the module docstring); returns
-    the pieces and the cut requests. The batch's tiles in request order, an empty
-    request weighing one, are cut into runs of `share`: run p's pieces (one per request
+    the splits and the cut requests. The batch's tiles in request order, an empty
+    request weighing one, are cut into runs of `share`: run p's splits (one per request
     it meets) are those of tiles [p share, (p + 1) share), in request order."""
     reqs = tl.arange(0, BLOCK_B)
     done = tl.full([], 0, tl.int32)
@@ -497,7 +479,7 @@ def _stream_rows(seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, num_reqs, sha
         q_begin = tl.load(query_start_ptr + b, mask=in_batch, other=0)
         q_len = tl.load(query_start_ptr + b + 1, mask=in_batch, other=0) - q_begin
         start = first + tl.cumsum(n, 0) - n
-        # Piece k runs in program p_first + k, over its `share` tiles of the stream.
+        # Split k runs in program p_first + k, over its `share` tiles of the stream.
         cuts = _request_rows(work_ptr, cut_ptr, b, n, start, cuts, seq_len, q_begin, q_len,
                              p_first * share - begin, tl.zeros_like(n) + share, BLOCK_N,
                              BLOCK_J)
@@ -529,13 +511,13 @@ def _stream_starts(seq_lens_ptr, starts_ptr, num_reqs, programs, share, BLOCK_N:
 def plan_bounds(
     num_reqs: int, head_groups: int, max_seq_len: int, slots: int, block_n: int,
     min_chunk: int, forced: int | None = None, persistent: bool = False,
-    lone_wave: float = LONE_WAVE,
+    tail_wave: float = TAIL_WAVE,
 ) -> tuple[int, int, int, int]:
-    """Host bounds of a plan from ints only: (programs, rows, max_pieces, max_cut).
+    """Host bounds of a plan from ints only: (programs, rows, max_splits, max_cut).
 
     programs: the stage-1 grid's programs per head group; rows: the plan's work rows
-    (its pieces), which are the programs but where a persistent plan may be made: for a
-    kernel that runs several pieces per program (`persistent`) and a batch of more rows
+    (its splits), which are the programs but where a persistent plan may be made: for a
+    kernel that runs several splits per program (`persistent`) and a batch of more rows
     than one wave of programs (slots / head_groups = W), a CUDA graph's padding among
     them. There the grid is a program per request (the scored plan then keeps every
     request whole, also where padding leaves a wave of live requests or fewer, which
@@ -543,13 +525,13 @@ def plan_bounds(
     is taken by batches of more than the next smaller graph, 128 in the engine) and
     the rows the batch plus W (the persistent plan's runs of W programs). Else one wave's
     worth of programs or, for a batch larger than a wave, the batch plus room for cut
-    pieces: EXTRA_WAVES waves where the batch's last wave is filled less than
-    lone_wave (the price of a last partial wave, `plan_splits`), one wave else.
-    max_pieces: the most pieces a request can get (MIN_TILES-sized pieces of
-    max_seq_len, MAX_SPLITS, and what the grid leaves; in the persistent plan a piece
-    per tile, at most one per program of W); `forced` pieces for the longest request
+    splits: EXTRA_WAVES waves where the batch's last wave is filled less than
+    tail_wave (the cost of a last partial wave, `plan_splits`), one wave else.
+    max_splits: the most splits a request can get (MIN_TILES-sized splits of
+    max_seq_len, MAX_SPLITS, and what the grid leaves; in the persistent plan a split
+    per tile, at most one per program of W); `forced` splits for the longest request
     (tests, tuning) widen the grid to fit them and rule out the persistent plan.
-    max_cut: the most requests cut in more than one piece (each takes at least one of
+    max_cut: the most requests cut in more than one split (each takes at least one of
     the programs past the batch's first B; in the persistent plan, each straddles a
     boundary between runs).
     """
@@ -559,53 +541,53 @@ def plan_bounds(
         return (num_reqs, num_reqs + per_wave, max(1, min(max_tiles, per_wave)),
                 max(1, min(num_reqs, per_wave - 1)))
     fill = (num_reqs * head_groups % slots) / slots
-    room = EXTRA_WAVES if fill < lone_wave else 1
+    room = EXTRA_WAVES if fill < tail_wave else 1
     programs = per_wave if num_reqs <= per_wave else num_reqs + room * per_wave
     min_tiles = max(1, min_chunk // block_n)
-    max_pieces = max(1, min(MAX_SPLITS, cdiv(max_tiles, min_tiles), programs - num_reqs + 1))
+    max_splits = max(1, min(MAX_SPLITS, cdiv(max_tiles, min_tiles), programs - num_reqs + 1))
     if forced is not None:
-        max_pieces = max(1, min(int(forced), MAX_SPLITS))
-        programs = max(programs, num_reqs * max_pieces)
-    return programs, programs, max_pieces, max(1, min(num_reqs, programs - num_reqs))
+        max_splits = max(1, min(int(forced), MAX_SPLITS))
+        programs = max(programs, num_reqs * max_splits)
+    return programs, programs, max_splits, max(1, min(num_reqs, programs - num_reqs))
 
 
 def plan_splits(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_groups: int,
     max_seq_len: int, slots: int, block_n: int, min_chunk: int, block_h: int,
-    forced: int | None = None, persistent: bool = False, past_overhead: int = 0,
-    lone_wave: float = LONE_WAVE,
+    forced: int | None = None, persistent: bool = False, past_wave_tiles: int = 0,
+    tail_wave: float = TAIL_WAVE,
 ) -> SplitPlan:
-    """Plan the pieces of a batch with seq_lens int32 [B] and query_start_loc int32
+    """Plan the splits of a batch with seq_lens int32 [B] and query_start_loc int32
     [B + 1] (on the device; nothing is read back): one launch of a one-program kernel,
-    graph-safe. head_groups: stage-1 programs per piece; slots: programs the GPU runs at
+    graph-safe. head_groups: stage-1 programs per split; slots: programs the GPU runs at
     once; block_n / min_chunk / block_h: the stage-1 config's tile, fewest positions per
-    piece and rows per program; persistent: the stage-1 kernel runs every piece of
-    starts[p] .. starts[p + 1] - 1 in program p (else only piece p), so that a batch
-    past one wave may take the persistent plan (`plan_bounds`); past_overhead: what a
-    piece costs the stage-1 kernel past one wave of requests, in tiles, and lone_wave
+    split and rows per program; persistent: the stage-1 kernel runs every split of
+    starts[p] .. starts[p + 1] - 1 in program p (else only split p), so that a batch
+    past one wave may take the persistent plan (`plan_bounds`); past_wave_tiles: what a
+    split costs the stage-1 kernel past one wave of requests, in tiles, and tail_wave
     what its last partial wave costs there, as a fraction of a full one (the module
     docstring)."""
     num_reqs = seq_lens.shape[0]
-    programs, rows, max_pieces, max_cut = plan_bounds(
+    programs, rows, max_splits, max_cut = plan_bounds(
         num_reqs, head_groups, max_seq_len, slots, block_n, min_chunk, forced, persistent,
-        lone_wave)
+        tail_wave)
     device = seq_lens.device
     work = torch.empty(rows, WORK, dtype=torch.int32, device=device)
     cut = torch.empty(max_cut, WORK, dtype=torch.int32, device=device)
     starts = torch.empty(programs + 1, dtype=torch.int32, device=device)
     stream = rows > programs  # the persistent plan's grid
     # With the persistent plan's grid (a program per request) the scored plan can only
-    # keep every request whole: its candidates need no more than one piece each.
-    scored_pieces = 1 if stream else max_pieces
+    # keep every request whole: its candidates need no more than one split each.
+    scored_splits = 1 if stream else max_splits
     _plan_kernel[(1,)](
         seq_lens, query_start_loc, work, cut, starts,
-        num_reqs, programs, rows, scored_pieces, max_cut, head_groups, slots,
+        num_reqs, programs, rows, scored_splits, max_cut, head_groups, slots,
         int(forced or 0),
         BLOCK_N=block_n, MIN_TILES=max(1, min_chunk // block_n), OVERHEAD=OVERHEAD_TILES,
-        PAST_OVERHEAD=past_overhead,
-        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), LONE=lone_wave,
-        PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_pieces),
+        PAST_WAVE_TILES=past_wave_tiles,
+        PARTIAL=cdiv(PARTIAL_ROWS_PER_ROW * block_h, block_n), TAIL=tail_wave,
+        PERSISTENT=stream, STREAM=STREAM_TILES, BLOCK_S=next_pow2(scored_splits),
         BLOCK_K=WHOLE_WAVES, BLOCK_B=min(_BLOCK_B, max(_MIN_BLOCK_B, next_pow2(num_reqs))),
         BLOCK_P=_BLOCK_P, BLOCK_J=_BLOCK_J, BLOCK_R=next_pow2(rows), num_warps=_PLAN_WARPS,
     )
-    return SplitPlan(work, cut, starts, programs, max_pieces)
+    return SplitPlan(work, cut, starts, programs, max_splits)

@@ -1,12 +1,10 @@
-"""Prefill attention of the triton backend: cuDNN's fused attention where it applies,
-our kernels (`prefill.varlen_attention`: the Gluon one on Hopper, else the Triton one)
-everywhere else.
+"""cuDNN's fused attention for prefill batches of equal-length sequences.
 
-Why: on an H200, PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) up to
-1.1x faster than our Gluon kernel (1.1-1.4x than the Triton one) and returns the
-log-sum-exp that the chunked-context merge needs (docs/PERFORMANCE.md). Its ragged entry
-point (`_cudnn_attention_forward` with cumulative lengths) is correct but rebuilds its
-plan on every call, about 50x slower, and gives wrong results with int64 lengths; so
+Why: PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) faster than our
+kernels on Hopper (docs/PERFORMANCE.md) and returns the log-sum-exp that the
+chunked-context merge needs. Its ragged entry point (`_cudnn_attention_forward` with
+cumulative lengths) is correct but rebuilds its plan on every call, and gives wrong
+results with int64 lengths; so
 only batches whose sequences all share one query length and one key length take cuDNN,
 through the dense op on views of the packed tensors. Which batches those are follows
 from host ints alone (B sequences of at most max_len tokens filling T tokens means every
@@ -19,8 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.ops.triton.prefill import varlen_attention as triton_varlen_attention
-
 _CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 # Input kinds cuDNN refused once (see `_kind`): not asked again.
 _REFUSED: set[tuple] = set()
@@ -32,17 +28,16 @@ def _kind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (q.dtype, q.shape[-1], v.shape[-1], q.stride(), k.stride(), v.stride())
 
 
-def _takes_cudnn(
+def supports(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
     max_seqlen_k: int, softmax_scale: float, causal: bool,
 ) -> bool:
     """Whether every sequence has max_seqlen_q queries and max_seqlen_k keys (and, for
-    causal, as many of each), and the inputs are ones cuDNN takes. Anything else
-    (including invalid input, which the Triton path reports) goes to the kernel."""
+    causal, as many of each), and the inputs are ones cuDNN takes (asked on a CUDA device
+    with PyTorch's cuDNN: `Platform.cudnn`). Anything else (including invalid input,
+    which the Triton path reports) goes to our kernels."""
     return (
-        q.is_cuda
-        and q.dtype in _CUDNN_DTYPES
-        and torch.backends.cudnn.is_available()
+        q.dtype in _CUDNN_DTYPES
         and num_seqs >= 1
         and max_seqlen_q >= 1
         and max_seqlen_k >= 1
@@ -54,7 +49,12 @@ def _takes_cudnn(
     )
 
 
-def _cudnn_dense(
+def refuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Remember that cuDNN refused inputs of this kind (`supports` then declines them)."""
+    _REFUSED.add(_kind(q, k, v))
+
+
+def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,29 +71,3 @@ def _cudnn_dense(
     out = out.transpose(1, 2).reshape(q.shape[0], num_heads, v.shape[-1])
     lse = lse.reshape(num_seqs, num_heads, -1).transpose(0, 1).reshape(num_heads, -1)
     return out, lse
-
-
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `prefill.varlen_attention` (q [Tq, N, Dqk], k [Tk, N, Dqk], v [Tk, N, Dv];
-    returns out [Tq, N, Dv] and lse [N, Tq] float32), on cuDNN when every sequence has
-    the same lengths (see the module docstring), else on our kernels."""
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if _takes_cudnn(q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        try:
-            return _cudnn_dense(q, k, v, num_seqs, softmax_scale, causal)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError:  # a head dim or layout this cuDNN build does not take
-            _REFUSED.add(_kind(q, k, v))
-    return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, softmax_scale, causal)
