@@ -219,7 +219,7 @@ def bench_prefill(quick: bool) -> list[dict]:
         plain = triton_prefill_config(qk, dv, q.dtype)
         triton_us = bench_covered(
             lambda args=args, plain=plain: varlen_attention(*args, config=plain), rep_ms=200)
-        gluon = prefill_runs_gluon(q, k, v, qk**-0.5)
+        gluon = prefill_runs_gluon(*args)
         for kernel, fn in (("varlen_attention", varlen_attention),
                            ("prefill_attention", prefill_attention)):
             call = functools.partial(fn, *args)

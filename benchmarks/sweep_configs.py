@@ -4,7 +4,8 @@
 They time variants of a regime's config (tile sizes, warps, stages, product form, tile
 loader, prefetch distance) on representative shapes and print each variant's time,
 rate and compiled code (registers, spills, shared memory, wgmma / TMA use): the search
-behind the tables of configs in `ops/triton/decode.py` and `ops/triton/prefill.py`.
+behind the tables of configs in `ops/triton/decode_triton.py` and
+`ops/triton/prefill_triton.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from benchmarks.kernel_choice import (
     PrefillConfig,
     decode_config,
     decode_stage1_kernel,
-    prefill_kernel,
+    prefill_kernel_jit,
 )
 from benchmarks.workloads import FP8, decode_cost, decode_inputs
 from pagedmla.ops.triton import mla_decode, varlen_attention
@@ -127,7 +128,7 @@ def sweep_prefill_configs() -> list[dict]:
                     continue
                 row = {"N": heads, "S": seq, "qk": qk, "v": dv, "config": asdict(cfg),
                        "us": us, "tflops": flops / us / 1e6, "baseline_us": base_us,
-                       "stats": compiled_stats(prefill_kernel())}
+                       "stats": compiled_stats(prefill_kernel_jit())}
                 rows.append(row)
                 print(f"  prefill {qk}/{dv} N={heads} {bm}/{bn}/{w}/{st}: "
                       f"{us:.0f} us {row['tflops']:.0f} TFLOP/s {base_us / us:.2f}x "
