@@ -48,7 +48,7 @@ def test_decode_baseline_attends_as_the_reference(block_size: int) -> None:
     # compute what mla_decode computes, or the speed-ups against it would mean nothing.
     # (The paged case of the kernel tests: NaN in unused slots, pages permuted.)
     from benchmarks.baselines import torch_decode
-    from tests.test_triton_ops import _decode_case
+    from tests.triton_helpers import _decode_case
 
     seq_lens = [4 * block_size] * 3
     args = _decode_case([1, 1, 1], seq_lens, 16, 512, 64, block_size, torch.bfloat16,

@@ -5,7 +5,7 @@ so on the CPU these tests execute the kernels' PTX text with a small model of th
 instructions it uses (PTX ISA semantics of prmt, shl, shr, and, or and mul.rn on
 16-bit pairs) and compare every code, in every byte position of a word, with PyTorch's
 own e4m3 decoding. The kernels themselves are checked on the GPU by
-`test_triton_ops.test_decode_gpu_hopper_fp8_widening_is_exact`."""
+`test_triton_decode_hopper.test_decode_gpu_hopper_fp8_widening_is_exact`."""
 
 from __future__ import annotations
 

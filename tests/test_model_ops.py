@@ -2,7 +2,7 @@
 embedding) of both backends against float64 oracles written here.
 
 The triton kernels run on CPU tensors in Triton's interpreter (float32, float16: see
-tests/test_triton_ops.py for what the interpreter cannot check) and on the GPU in bf16.
+tests/triton_helpers.py for what the interpreter cannot check) and on the GPU in bf16.
 Tolerances: the ops normalise or rotate in float32 and round once to the output dtype
 (twice for RMSNorm: the normalised value, then its product with the weight), so the
 error is a few units of that dtype's roundoff: 2 ulp of float32 (the float32 sums and
