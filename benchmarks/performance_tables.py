@@ -35,7 +35,8 @@ class Results:
         return self._cache[name]
 
     def source(self, name: str) -> str:
-        """One line naming the card, date, commit and command behind `name`."""
+        """One line naming the card, date and commit behind `name`, and the command that
+        runs its benchmark in this tree (provenance.json's, else the one `name` records)."""
         data = self.load(name)
         recorded = data if isinstance(data, dict) else {}
         noted = self.provenance.get(name, {})
@@ -57,11 +58,17 @@ class Results:
         details = [d for d in details if d]
         if details:
             card += f" ({', '.join(details)})"
-        command = pick("command")
-        if not command.startswith(("python", "one-off")):  # a recorded sys.argv
-            command = "python3 " + re.sub(r"^\S*?(?=benchmarks/)", "", command)
+        command = str(noted.get("command") or module_command(pick("command")))
         return (f"Card: {card}. Date: {pick('date')[:10]}. Commit: `{pick('commit')}`. "
                 f"Command: `{command}`. Raw: [{name}](results/{name}).")
+
+
+def module_command(argv: str) -> str:
+    """A recorded sys.argv ("/root/pagedmla/benchmarks/bench_kernels.py --out k.json") as
+    the module command that runs it from the repository root ("python -m
+    benchmarks.bench_kernels --out k.json"); other text as it is."""
+    return re.sub(r"^(?:python3? )?\S*?benchmarks/(\w+)\.py\b", r"python -m benchmarks.\1",
+                  argv)
 
 
 # -- formatting --------------------------------------------------------------------------

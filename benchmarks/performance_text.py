@@ -10,9 +10,9 @@ Current numbers of the Triton backend's kernels and of the engine on NVIDIA H200
 against the card's ceilings and the strongest baselines measured in the same run. This
 file is rendered by `python -m benchmarks.performance_report` from the result files in
 [results/](results/): edit `benchmarks/performance_report.py` or
-`benchmarks/performance_text.py`, not this file. Each table names its card, date, commit
-and command. Which kernel runs on which GPU: [kernels.md](kernels.md); how the code is
-built: [design.md](design.md)."""
+`benchmarks/performance_text.py`, not this file. Each table names its card, the date and
+commit measured, and the command that runs its benchmark. Which kernel runs on which
+GPU: [kernels.md](kernels.md); how the code is built: [design.md](design.md)."""
 
 METHOD = """- **Counted first.** Each kernel's FLOPs and the fewest bytes it must move are counted
   before it is timed. Decode reads every cache row once, plus q and the output; its FLOPs
@@ -43,7 +43,15 @@ METHOD = """- **Counted first.** Each kernel's FLOPs and the fewest bytes it mus
   at 128 × 8k by up to 15% between processes), so a change is judged by an A/B within one
   run on one card. The fp8 16-row kernel follows the SM clock, which the card lowers at
   its power cap under sustained load; the kernel benchmark records the clock of each row
-  (`sm_mhz`)."""
+  (`sm_mhz`).
+
+**Checking a change for speed.** Run the kernel benchmark on the base tree and on the
+changed tree one after the other on the same card, while the machine stays up:
+`python -m benchmarks.bench_kernels --out old.json` on the base,
+`python -m benchmarks.bench_kernels --out new.json` on the change, then
+`python -m benchmarks.compare_results old.json new.json`. It matches the rows by shape
+and exits 1 where a row's time moved by more than 3% either way, where a row has no
+partner, or where the two runs chose different kernel configs."""
 
 TARGETS_INTRO = """Each verdict is computed from the rows of the tables below that fall
 in the target's scope; "met on k of n" lists every such row. The last column names what

@@ -6,6 +6,7 @@ CPU only, standard library only: the report reads JSON files and writes markdown
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,19 @@ def test_span_and_table_formatting() -> None:
     assert tables.size(131072) == "128k" and tables.size(1088) == "1088"
     assert tables.table(["a", "b"], [["x", "1"]]) == ["| a | b |", "|---|---:|", "| x | 1 |"]
     assert report.verdict([True, False, True]) == "**met on 2 of 3**"
+
+
+def test_commands_run_in_this_tree() -> None:
+    """Each table's command names a benchmark module of this tree and only flags it takes
+    (a one-off script, named as such, excepted)."""
+    text = report.render()[report.PERFORMANCE]
+    commands = re.findall(r"Command: `([^`]+)`", text)
+    assert commands
+    for command in commands:
+        if command.startswith("one-off"):
+            continue
+        match = re.fullmatch(r"python -m benchmarks\.(\w+)((?: \S+)*)", command)
+        assert match, command
+        source = (report.ROOT / "benchmarks" / f"{match[1]}.py").read_text()
+        for flag in re.findall(r"(?<!\S)--[\w-]+", match[2]):
+            assert f'"{flag}"' in source, (command, flag)
