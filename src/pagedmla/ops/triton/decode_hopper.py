@@ -65,8 +65,8 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
-    `selection` checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in `selection`
+    checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
     dtype, at most BLOCK_H query rows per request, and pages the copy engine can read
     (`pages_copyable`)."""
     return (deepseek_call(q, data, L) and num_rows <= BLOCK_H and data.dtype == q.dtype

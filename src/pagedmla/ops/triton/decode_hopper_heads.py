@@ -104,8 +104,8 @@ def _fp8_exponents(dtype: torch.dtype | None) -> dict[str, int]:
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
-    `selection` checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in `selection`
+    checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and a cache layout the
     tiles can come from: pages the copy engine reads (16-bit,
     `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
