@@ -226,10 +226,9 @@ def prefill_kernel(
 
 def cudnn_takes(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
-    max_seqlen_k: int, softmax_scale: float, causal: bool, platform: Platform | None = None,
+    max_seqlen_k: int, softmax_scale: float, causal: bool,
 ) -> bool:
-    """Whether the prefill table's first entry, cuDNN, takes the call (as
+    """Whether the prefill table's first entry, cuDNN, takes the call on q's device (as
     `prefill_kernel`)."""
-    platform = platform or device_platform(q.device)
-    return platform.cudnn and PREFILL_CUDNN.supports(
+    return device_platform(q.device).cudnn and PREFILL_CUDNN.supports(
         q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
