@@ -1,9 +1,9 @@
 """Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
 
-Same contract as `decode_triton._decode_partial_kernel` (a program per head group and split of
-a request, or per run of splits in a persistent plan; final output or float32 partials
-plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per request,
-page size a multiple of 8, 64-row tiles.
+Same contract as `decode_triton._decode_partial_kernel` (a program per head group and
+split of a request, or per run of splits in a persistent plan; final output or float32
+partials plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per
+request, page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
 instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits

@@ -1,9 +1,9 @@
 """Variable-length attention with log-sum-exp on Hopper: a warp-specialized Gluon kernel.
 
-Same contract as `prefill_triton._varlen_attention_kernel` (one program per query block of 128
-rows, head and sequence; bottom-right causal; out and lse), for 16-bit inputs whose
-rows the bulk tensor copy engine (TMA) can read. Why a second kernel: the Triton one
-loads K and V with pointer arithmetic in the instruction stream that also runs the
+Same contract as `prefill_triton._varlen_attention_kernel` (one program per query block
+of 128 rows, head and sequence; bottom-right causal; out and lse), for 16-bit inputs
+whose rows the bulk tensor copy engine (TMA) can read. Why a second kernel: the Triton
+one loads K and V with pointer arithmetic in the instruction stream that also runs the
 products and the softmax, and both of its warpgroups reach the softmax together, when
 the tensor cores have nothing to do. Here the roles are split:
 
