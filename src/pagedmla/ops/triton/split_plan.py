@@ -77,9 +77,9 @@ in the partial buffer ([token, head, partial, L]) whatever order the rows run in
 partial index is the row's own but in the even plan.
 
 The constants that cost splits and waves (OVERHEAD_TILES, TAIL_WAVE, EXTRA_WAVES,
-STREAM_TILES, and the kernels' own in `selection`) are tuned with `python
-benchmarks/bench_split_plan.py` (uniform batches around one wave, --ragged for ragged
-ones, --cache fp8).
+STREAM_TILES, and the kernels' own in `selection`) are tuned with
+`python -m benchmarks.bench_split_plan` (uniform batches around one wave, --ragged for
+ragged ones, --cache fp8).
 """
 
 from __future__ import annotations
