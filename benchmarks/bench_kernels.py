@@ -175,7 +175,8 @@ def bench_merge(quick: bool, ceil: dict[str, float]) -> list[dict]:
     out_lse = torch.empty_like(pl)
     nbytes = 3 * T * N * D * 2 + 3 * N * T * 4
 
-    def eager(po, pl, so, sl, out, out_lse):
+    def eager(po: torch.Tensor, pl: torch.Tensor, so: torch.Tensor, sl: torch.Tensor,
+              out: torch.Tensor, out_lse: torch.Tensor) -> None:
         ref.merge_attn_states(po, pl, so, sl, out, out_lse)
 
     compiled = torch.compile(eager)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from benchmarks.workloads import FP8, DecodeArgs
 from pagedmla.ops.triton.decode_triton import (
@@ -59,7 +60,7 @@ def triton_decode_config(args: DecodeArgs) -> DecodeConfig:
     return pick_config(_rows(args), args[0].dtype, args[1].dtype == FP8)
 
 
-def decode_stage1_kernel():
+def decode_stage1_kernel() -> JITFunction:
     """The Triton decode stage-1 kernel (a JITFunction)."""
     return _decode_partial_kernel
 
@@ -82,6 +83,6 @@ def prefill_runs_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           softmax_scale, causal, cudnn=False).gluon
 
 
-def prefill_kernel_jit():
+def prefill_kernel_jit() -> JITFunction:
     """The Triton prefill kernel (a JITFunction)."""
     return _varlen_attention_kernel

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import torch
+from triton.runtime.jit import JITFunction
 
 from benchmarks.baselines import sdpa_baseline
 from benchmarks.harness import DEV, bench, graphed
@@ -27,7 +28,7 @@ from pagedmla.ops.triton import mla_decode, varlen_attention
 from pagedmla.testing import relative_error
 
 
-def compiled_stats(jit_fn) -> str:
+def compiled_stats(jit_fn: JITFunction) -> str:
     """Registers, spills and shared memory of the kernel `jit_fn` compiled last, and
     whether its PTX uses wgmma (best effort: Triton internals differ across versions)."""
     try:

@@ -55,7 +55,8 @@ def test_write_cache_nope() -> None:
     assert torch.equal(_bits(data), _bits(want))
 
 
-def _gather_case(block_size: int, width: int, cache_dtype: torch.dtype, seed: int):
+def _gather_case(block_size: int, width: int, cache_dtype: torch.dtype, seed: int,
+                 ) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     contexts = [3 * block_size + 2, 1, 40]
     data, table = _paged_cache(contexts, block_size, width, cache_dtype, gen, 0.37)

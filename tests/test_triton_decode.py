@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from pagedmla.ops.triton import decode as decode_module
 from pagedmla.ops.triton import mla_decode
 from pagedmla.ops.triton import split_plan as split_plan_module
 from pagedmla.ops.triton.decode_triton import FEW_REQUESTS, DecodeConfig, _page_descriptors
+from pagedmla.ops.triton.split_plan import SplitPlan
 from tests.triton_helpers import (
     FP8,
     TINY_CONFIGS,
@@ -83,7 +85,8 @@ def test_decode_rejects_a_cache_without_positions() -> None:
         mla_decode(*args)
 
 
-def test_decode_refuses_more_splits_than_a_grid_axis_holds(monkeypatch) -> None:
+def test_decode_refuses_more_splits_than_a_grid_axis_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Stage 1's splits are its grid's second axis (65535 programs at most on a GPU): a
     # batch whose plan needs more gets a ValueError naming the batch, not a failed
     # launch. The limit is lowered here so that four requests exceed it.
@@ -179,7 +182,7 @@ def test_decode_even_plan(block_size: int, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(split_plan_module, "STREAM_TILES", -10**6)
     one_per_program = decode_module.plan_splits
 
-    def plan(*args):  # (persistent is plan_splits' tenth argument)
+    def plan(*args: Any) -> SplitPlan:  # (persistent is plan_splits' tenth argument)
         return one_per_program(*args[:9], False, *args[10:])
 
     monkeypatch.setattr(decode_module, "plan_splits", plan)

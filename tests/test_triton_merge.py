@@ -18,7 +18,8 @@ from pagedmla.ops.triton import merge_attn_states
 from tests.triton_helpers import ATOL, DEVICE, cuda, runnable
 
 
-def _merge_inputs(T: int, N: int, D: int, dtype: torch.dtype, seed: int):
+def _merge_inputs(T: int, N: int, D: int, dtype: torch.dtype, seed: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     po = torch.randn(T, N, D, generator=gen).to(DEVICE, dtype)
     so = torch.randn(T, N, D, generator=gen).to(DEVICE, dtype)

@@ -49,13 +49,14 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 
 from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
 from pagedmla.ops import reference as ref
-from pagedmla.testing import relative_error
+from pagedmla.testing import PagedBatch, relative_error
 
 pytest.importorskip("triton")
 
@@ -144,7 +145,9 @@ def _paged_cache(
 def _decode_case(
     q_lens: list[int], seq_lens: list[int], num_heads: int, L: int, R: int, block_size: int,
     dtype: torch.dtype, cache_dtype: torch.dtype, seed: int, device: str = DEVICE,
-):
+) -> tuple:
+    """mla_decode's arguments for requests of q_lens query tokens over seq_lens positions
+    in a NaN-filled, permuted paged cache (`_paged_cache`; fp8 scaled by 0.37)."""
     gen = torch.Generator().manual_seed(seed)
     scale = 0.37 if cache_dtype == FP8 else 1.0
     data, table = _paged_cache(seq_lens, block_size, L + R, cache_dtype, gen, scale, device)
@@ -157,14 +160,15 @@ def _decode_case(
     return args
 
 
-def _e4m3_products(args, config: DecodeConfig | None) -> bool:
+def _e4m3_products(args: tuple, config: DecodeConfig | None) -> bool:
     """Whether mla_decode(*args, config=config) runs the fp8 16-row kernel."""
     q, data = args[0], args[1]
     return (config is None
             and decode_kernel(q, data, q.shape[1] * args[6], args[8]).name == "decode_hopper_fp8")
 
 
-def _check_decode(args, dtype: torch.dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_decode(args: tuple, dtype: torch.dtype,
+                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode(*args, **kwargs) against the reference op; returns both outputs."""
     _poison_allocator(str(args[0].device))
     out, lse = mla_decode(*args, **kwargs)
@@ -248,8 +252,10 @@ def _check_hopper_decode(args: tuple, num_rows: int, is_fp8: bool, num_splits: i
     torch.testing.assert_close(ours[1], theirs[1], atol=lse_atol, rtol=1e-5)
 
 
-def _check_varlen(q_lens, k_lens, N, qk, dv, dtype, causal, seed, device=DEVICE,
-                  fn=varlen_attention) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_varlen(q_lens: list[int], k_lens: list[int], N: int, qk: int, dv: int,
+                  dtype: torch.dtype, causal: bool, seed: int, device: str = DEVICE,
+                  fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = varlen_attention,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """fn on random q, k, v of these lengths against the reference op; returns both
     outputs."""
     gen = torch.Generator().manual_seed(seed)
@@ -277,7 +283,8 @@ SMALL = MLADims(num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_
                 v_head_dim=24)
 
 
-def _run_layer(batch, backend: str, decode_threshold: int, workspace_rows: int | None):
+def _run_layer(batch: PagedBatch, backend: str, decode_threshold: int,
+               workspace_rows: int | None) -> torch.Tensor:
     meta = MLAMetadataBuilder(batch.dims, block_size=batch.block_size, device=DEVICE,
                               workspace_rows=workspace_rows,
                               decode_threshold=decode_threshold).build(batch.spec)

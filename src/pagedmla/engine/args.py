@@ -95,15 +95,15 @@ class EngineArgs:
         hints = typing.get_type_hints(EngineArgs)
         for f in fields(EngineArgs):
             flags = (f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ()))
-            help = f.metadata["help"]
+            text = f.metadata["help"]
             if f.default is not None:
-                help += " (default: %(default)s)"
+                text += " (default: %(default)s)"
             if hints[f.name] is bool:
-                group.add_argument(*flags, dest=f.name, default=f.default, help=help,
+                group.add_argument(*flags, dest=f.name, default=f.default, help=text,
                                    action=argparse.BooleanOptionalAction)
             else:
                 parse, metavar = _flag_type(hints[f.name])
-                group.add_argument(*flags, dest=f.name, default=f.default, help=help,
+                group.add_argument(*flags, dest=f.name, default=f.default, help=text,
                                    type=parse, metavar=metavar)
 
     @classmethod

@@ -5,7 +5,7 @@ with the prompts, where one layer's call costs the host ~15x its GPU time (~320 
 host against ~20 µs of GPU for a 256-token prompt). A prompt without cached context is
 graph-safe: MHA over its new tokens depends only on the step's token count and on how
 the tokens are cut into sequences, which the prefill kernels read from the device
-(their query blocks are packed, `ops/triton/prefill.py`). So a step whose other rows
+(their query blocks are packed, `ops/triton/prefill_triton.py`). So a step whose other rows
 are all such prompts (at most `max_prompts` of them) replays one graph of the whole
 step, captured for its token bucket and decode-row size
 (`PiecewiseGraphs.capture_steps`), in which this attention runs for every layer.

@@ -1,9 +1,9 @@
 """Stage 1 of paged latent decode on Hopper: a warp-specialized kernel in Gluon.
 
-Same contract as `decode_triton._decode_partial_kernel` (a program per head group and split of
-a request, or per run of splits in a persistent plan; final output or float32 partials
-plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per request,
-page size a multiple of 8, 64-row tiles.
+Same contract as `decode_triton._decode_partial_kernel` (a program per head group and
+split of a request, or per run of splits in a persistent plan; final output or float32
+partials plus lse), for the memory-bound regime: at most BLOCK_H = 16 query rows per
+request, page size a multiple of 8, 64-row tiles.
 
 Why a second kernel: plain Triton pipelines the tile copies in software, inside the
 instruction stream that also runs the products, and with a bf16 tile of 72 KB it fits
@@ -65,8 +65,8 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
-    `selection` checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in `selection`
+    checks the device): DeepSeek widths (L = 512, R = 64), 16-bit q, a cache of q's
     dtype, at most BLOCK_H query rows per request, and pages the copy engine can read
     (`pages_copyable`)."""
     return (deepseek_call(q, data, L) and num_rows <= BLOCK_H and data.dtype == q.dtype

@@ -1,8 +1,8 @@
 """Stage 1 of paged latent decode on Hopper for many query rows: 64 heads per program.
 
-Same contract as `decode_triton._decode_partial_kernel` (one program per head group and split
-of a request; final output or float32 partials plus lse), for the compute-bound regime: more
-than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
+Same contract as `decode_triton._decode_partial_kernel` (one program per head group and
+split of a request; final output or float32 partials plus lse), for the compute-bound
+regime: more than 16 query rows per request (N = 128 is DeepSeek-V3 on one GPU or with
 data-parallel attention), page size a multiple of 8 (16-bit cache) or any (fp8; with
 pages the copy engine reads, `decode_hopper_fp8` takes up to 32 rows first).
 
@@ -104,8 +104,8 @@ def _fp8_exponents(dtype: torch.dtype | None) -> dict[str, int]:
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, num_rows: int, L: int) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: the decode table in
-    `selection` checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
+    """Whether this kernel takes the call (on a Hopper GPU: the decode table in `selection`
+    checks the device): DeepSeek widths (L = 512, R = 64), more than 16 query rows per
     request, a bf16/fp16 q with a cache of the same dtype or fp8, and a cache layout the
     tiles can come from: pages the copy engine reads (16-bit,
     `decode_hopper.pages_copyable`), or for fp8 any page size with 16-byte aligned pages
@@ -330,8 +330,8 @@ def _decode_heads_kernel(
     PAGE_ROWS: gl.constexpr, PF_ROWS: gl.constexpr, Q_EXP: gl.constexpr,
     RAW_EXP: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """One (head group of BLOCK_H rows, split), as `decode_triton._decode_partial_kernel`. A
-    16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
+    """One (head group of BLOCK_H rows, split), as `decode_triton._decode_partial_kernel`.
+    A 16-bit cache's tiles are copied through latent_desc ([TILE_N, L / 2] boxes) and
     rope_desc ([TILE_N, R] boxes) over the cache viewed as [pages x PAGE, L + R] rows;
     an fp8 cache is read as uint8 codes through codes_ptr (row stride stride_cp, pages
     PAGE_ROWS rows apart), the descriptors None, and PF_ROWS rows per L2 request

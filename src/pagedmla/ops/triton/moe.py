@@ -52,7 +52,7 @@ SHARED_BUDGET = 220 * 1024
 def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> MoEConfig:
     """Rows per block about the pairs an expert gets, 16 (the MMA minimum) to 128.
 
-    Tuned in bf16 with `python benchmarks/bench_moe.py --sweep` (block_m, block_n
+    Tuned in bf16 with `python -m benchmarks.bench_moe --sweep` (block_m, block_n
     64/128, block_k 64/128, 4/8 warps, 3/4 stages; graph replay): few rows (weight-read
     bound) want long reduction steps; many rows want large tiles and 8 warps. Wider
     elements (float32) shrink stages, then block_k, then block_n until the gate_up

@@ -4,13 +4,12 @@ Why: PyTorch's cuDNN attention runs dense prefill (qk 192 / v 128) faster than o
 kernels on Hopper (docs/PERFORMANCE.md) and returns the log-sum-exp that the
 chunked-context merge needs. Its ragged entry point (`_cudnn_attention_forward` with
 cumulative lengths) is correct but rebuilds its plan on every call, and gives wrong
-results with int64 lengths; so
-only batches whose sequences all share one query length and one key length take cuDNN,
-through the dense op on views of the packed tensors. Which batches those are follows
-from host ints alone (B sequences of at most max_len tokens filling T tokens means every
-one has max_len), so choosing never reads the device. cuDNN's causal mask is top-left;
-it equals ours (bottom-right) only for square attention, so causal batches need q_len ==
-k_len.
+results with int64 lengths; so only batches whose sequences all share one query length
+and one key length take cuDNN, through the dense op on views of the packed tensors.
+Which batches those are follows from host ints alone (B sequences of at most max_len
+tokens filling T tokens means every one has max_len), so choosing never reads the
+device. cuDNN's causal mask is top-left; it equals ours (bottom-right) only for square
+attention, so causal batches need q_len == k_len.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Variable-length attention with log-sum-exp on Hopper: a warp-specialized Gluon kernel.
 
-Same contract as `prefill_triton._varlen_attention_kernel` (one program per query block of 128
-rows, head and sequence; bottom-right causal; out and lse), for 16-bit inputs whose
-rows the bulk tensor copy engine (TMA) can read. Why a second kernel: the Triton one
-loads K and V with pointer arithmetic in the instruction stream that also runs the
+Same contract as `prefill_triton._varlen_attention_kernel` (one program per query block
+of 128 rows, head and sequence; bottom-right causal; out and lse), for 16-bit inputs
+whose rows the bulk tensor copy engine (TMA) can read. Why a second kernel: the Triton
+one loads K and V with pointer arithmetic in the instruction stream that also runs the
 products and the softmax, and both of its warpgroups reach the softmax together, when
 the tensor cores have nothing to do. Here the roles are split:
 
@@ -89,11 +89,11 @@ def _copyable(t: torch.Tensor) -> bool:
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
               ) -> bool:
-    """Whether this kernel takes the call (on a Hopper GPU: the prefill table in `selection`
-    checks the device): 16-bit q, k and v of one dtype; qk head dim 64, 128, 192 or
-    256 and v head dim 64, 128 or 256 within the shared memory budget; copyable rows;
-    a positive softmax scale (the running max is kept in scaled units: max(s) x scale
-    is the max of the scaled scores only for a positive scale)."""
+    """Whether this kernel takes the call (on a Hopper GPU: the prefill table in
+    `selection` checks the device): 16-bit q, k and v of one dtype; qk head dim 64, 128,
+    192 or 256 and v head dim 64, 128 or 256 within the shared memory budget; copyable
+    rows; a positive softmax scale (the running max is kept in scaled units: max(s) x
+    scale is the max of the scaled scores only for a positive scale)."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     return (softmax_scale > 0
             and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
@@ -303,8 +303,8 @@ def _query_blocks(cu_q_ptr, s, num_seqs, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
     """(sequence, query block) of the program launched i-th, as
-    `prefill_triton._packed_block`
-    (Gluon needs the chunk's layout): past the first block, (num_seqs, 0)."""
+    `prefill_triton._packed_block` (Gluon needs the chunk's layout): past the first
+    block, (num_seqs, 0)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, SEQ_CHUNK, layout)
     total = gl.to_tensor(0)

@@ -96,7 +96,7 @@ def _gluon_decode_kernels() -> tuple[DecodeKernel, ...]:
         # products on the e4m3 codes, two consumer warpgroups. Bound by its consumers'
         # chains of work per tile, not by memory: a split past one wave pays its start
         # (4 tiles), and a partial wave runs hardly faster than a full one (0.9). Both
-        # tuned with `python benchmarks/bench_split_plan.py --cache fp8`.
+        # tuned with `python -m benchmarks.bench_split_plan --cache fp8`.
         DecodeKernel("decode_hopper_fp8", decode_hopper_fp8.supported,
                      decode_hopper_fp8.decode_partial, block_h=decode_hopper_fp8.BLOCK_H,
                      block_n=decode_hopper_fp8.BLOCK_N, persistent=False, past_wave_tiles=4,
@@ -112,7 +112,7 @@ def _gluon_decode_kernels() -> tuple[DecodeKernel, ...]:
         # More than 16 query rows per request (17-32 with an fp8 cache whose pages the
         # copy engine cannot fill), 64 rows per program: bound by the tensor cores at
         # N = 128, so a partial wave runs hardly faster than a full one (0.9, tuned with
-        # `python benchmarks/bench_split_plan.py --heads 128`).
+        # `python -m benchmarks.bench_split_plan --heads 128`).
         DecodeKernel("decode_hopper_heads", decode_hopper_heads.supported,
                      decode_hopper_heads.decode_partial, block_h=decode_hopper_heads.BLOCK_H,
                      block_n=decode_hopper_heads.BLOCK_N, persistent=False,
@@ -226,10 +226,9 @@ def prefill_kernel(
 
 def cudnn_takes(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
-    max_seqlen_k: int, softmax_scale: float, causal: bool, platform: Platform | None = None,
+    max_seqlen_k: int, softmax_scale: float, causal: bool,
 ) -> bool:
-    """Whether the prefill table's first entry, cuDNN, takes the call (as
+    """Whether the prefill table's first entry, cuDNN, takes the call on q's device (as
     `prefill_kernel`)."""
-    platform = platform or device_platform(q.device)
-    return platform.cudnn and PREFILL_CUDNN.supports(
+    return device_platform(q.device).cudnn and PREFILL_CUDNN.supports(
         q, k, v, num_seqs, max_seqlen_q, max_seqlen_k, softmax_scale, causal)

@@ -77,9 +77,9 @@ in the partial buffer ([token, head, partial, L]) whatever order the rows run in
 partial index is the row's own but in the even plan.
 
 The constants that cost splits and waves (OVERHEAD_TILES, TAIL_WAVE, EXTRA_WAVES,
-STREAM_TILES, and the kernels' own in `selection`) are tuned with `python
-benchmarks/bench_split_plan.py` (uniform batches around one wave, --ragged for ragged
-ones, --cache fp8).
+STREAM_TILES, and the kernels' own in `selection`) are tuned with
+`python -m benchmarks.bench_split_plan` (uniform batches around one wave, --ragged for
+ragged ones, --cache fp8).
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ WHOLE_WAVES = 8  # the most waves a whole-wave candidate fills (grids allow 4-5 
 # (at least 16), since every step's tensors are this wide whatever the batch.
 _BLOCK_B = 64
 _MIN_BLOCK_B = 16
-_PLAN_WARPS = 8  # the plan kernel's warps (4 plan fp8 batches past one wave slower)
+# The plan kernel's warps: with 4, no plan is made faster, and the plans of fp8 batches
+# past one wave take longer to make.
+_PLAN_WARPS = 8
 _BLOCK_P = 128  # programs per step of its last loop
 _BLOCK_J = 32  # splits of a request per step of the loops that write the rows
 # The persistent plan's cost over its even share of the batch, in tiles: the combine of
