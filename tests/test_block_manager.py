@@ -125,6 +125,39 @@ def test_shared_blocks_are_reference_counted() -> None:
     assert manager.num_free_blocks == 7  # cached blocks count as free (evictable)
 
 
+def test_freeing_twice_drops_the_references_once() -> None:
+    manager = BlockManager(num_blocks=8, block_size=2)
+    owner = make_seq(0, [1, 2, 3, 4, 5])
+    compute(manager, owner, 5)
+    sharer = make_seq(1, [1, 2, 3, 4, 6])
+    manager.match_prefix(sharer)
+    manager.free(owner)
+    manager.free(owner)
+    assert [manager.ref_count(block) for block in sharer.block_table] == [1, 1]
+
+
+def test_reclaim_releases_blocks_that_no_holder_references() -> None:
+    """After a step cut short: a block taken for a table it never reached, and a shared
+    prefix held by a dropped sequence, come back; the holders' blocks stay theirs."""
+    manager = BlockManager(num_blocks=10, block_size=2)
+    holder = make_seq(0, [1, 2, 3, 4, 5])
+    compute(manager, holder, 5)
+    dropped = make_seq(1, [1, 2, 3, 4, 6, 7])
+    manager.match_prefix(dropped)
+    manager.append_slots(dropped, 2)
+    stray = manager._allocate()
+    assert manager.num_free_blocks == 9 - 3 - 1 - 1
+    manager.reclaim([holder])
+    assert [manager.ref_count(block) for block in holder.block_table] == [1, 1, 1]
+    assert manager.ref_count(stray) == 0
+    assert manager.num_free_blocks == 9 - 3
+    assert manager.block_tables([holder]).tolist() == [holder.block_table]
+    manager.reclaim([])
+    assert manager.num_free_blocks == 9
+    assert all(manager.ref_count(block) == 0 for block in range(10))
+    assert manager.match_prefix(make_seq(2, [1, 2, 3, 4, 9])) == 4  # still cached
+
+
 def test_eviction_takes_the_tail_first_and_drops_the_hash() -> None:
     manager = BlockManager(num_blocks=3, block_size=2)
     first = make_seq(0, [1, 2, 3, 4])

@@ -308,6 +308,61 @@ def test_preempted_sequence_goes_back_to_the_front() -> None:
     assert new.token_ids == [3, 4, reference_output([3, 4], params)[0][0]]
 
 
+def test_abort_drops_sequences_wherever_they_are() -> None:
+    """Abort a preempted, a running and a never scheduled sequence mid-run: each leaves
+    the queues with its blocks; the one left finishes exactly, and every block returns."""
+    scheduler = make_scheduler(num_blocks=7, block_size=2, max_num_batched_tokens=4)
+    manager = scheduler.block_manager
+    model = FakeModel(manager)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
+    seqs = [Sequence(i, prompt, params) for i, prompt in enumerate(prompts)]
+    for seq in seqs[:3]:
+        scheduler.add(seq)
+    while scheduler.num_preemptions == 0:
+        batch = scheduler.schedule()
+        scheduler.postprocess(batch, model.step(batch))
+    preempted = scheduler.waiting[0]
+    assert preempted.status is SequenceStatus.WAITING  # preempted: first in the queue
+    running = scheduler.running[-1]
+    scheduler.add(seqs[3])
+    scheduler.abort([preempted, running, seqs[3]])
+    for seq in (preempted, running, seqs[3]):
+        assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort"
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq not in scheduler.waiting and seq not in scheduler.running
+    (left,) = scheduler.running
+    scheduler.abort([running])  # finished: left as it is
+    assert running.finish_reason == "abort"
+    run_to_completion(scheduler, [], model)
+    assert left.output_token_ids == reference_output(prompts[left.seq_id], params)[0]
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert all(manager.ref_count(block) == 0 for block in range(manager.num_blocks))
+
+
+def test_decode_tokens_are_sampled_tokens_fed_back() -> None:
+    """A one-token chunk of a prompt is prefill; so is a preempted sequence's recompute
+    up to its newest token, which it feeds back as a decode."""
+    params = SamplingParams()
+    prompt_end = Sequence(0, [1, 2, 3, 4, 5], params)  # its last prompt token
+    prompt_end.num_computed_tokens = 4
+    decode = Sequence(1, [1, 2, 3], params)
+    decode.append_token(7)
+    decode.num_computed_tokens = 3
+    recompute = Sequence(2, [1, 2], params)
+    for token in (7, 8, 9):
+        recompute.append_token(token)
+    partial = Sequence(3, [1, 2], params)  # a recompute chunk short of the newest token
+    partial.append_token(7)
+    partial.append_token(8)
+    batch = ScheduledBatch([prompt_end, decode, recompute, partial], [1, 1, 5, 3],
+                           [True, True, True, False])
+    assert batch.num_decode_tokens() == 2
+    # An ahead step's decode starts one past the computed tokens.
+    ahead = ScheduledBatch([decode], [1], [True], starts=[4], sources=[0])
+    assert ahead.num_decode_tokens() == 1
+
+
 def test_stop_conditions() -> None:
     scheduler = make_scheduler()
     cases = {

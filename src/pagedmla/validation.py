@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def positive_finite(name: str, value: float) -> float:
@@ -10,4 +11,34 @@ def positive_finite(name: str, value: float) -> float:
     value = float(value)
     if not (0.0 < value < math.inf):
         raise ValueError(f"{name} must be a finite positive number, got {value}")
+    return value
+
+
+def integer(name: str, value: object, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+    """`value` as an int: TypeError naming `name` unless it is an integer (a bool, a float
+    or a str is not), ValueError unless minimum <= value <= maximum (where given)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = (f">= {minimum}" if maximum is None
+                  else f"<= {maximum}" if minimum is None
+                  else f"in [{minimum}, {maximum}]")
+        raise ValueError(f"{name} must be an int {bounds}, got {value}")
+    return value
+
+
+def real(name: str, value: object) -> float:
+    """`value` as a float; TypeError naming `name` unless it is a real number (a bool or
+    a str is not). NaN and infinities pass: the caller states its range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} of type {type(value).__name__}")
+    return float(value)
+
+
+def boolean(name: str, value: object) -> bool:
+    """`value` itself; TypeError naming `name` unless it is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
     return value

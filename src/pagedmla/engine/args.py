@@ -8,6 +8,7 @@ command line's engine flags are derived from these fields (`add_cli_args`,
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -15,8 +16,22 @@ from typing import Any
 
 import torch
 
-# Model dtypes by their command-line names.
+from pagedmla.cache import MODEL_DTYPES, resolve_cache_dtype
+from pagedmla.distributed.state import check_parallel_sizes
+from pagedmla.ops.registry import available_backends
+from pagedmla.validation import boolean, integer, real
+
+# Model dtypes by their names ("auto", also a name of `dtype`, is None: the device's
+# default).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parse_dtype(name: str) -> torch.dtype | None:
+    """A --dtype flag's value: one of DTYPES' names or "auto" (None)."""
+    if name != "auto" and name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid dtype {name!r}: choose from auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES.get(name)
 
 
 @dataclass
@@ -33,15 +48,20 @@ class EngineArgs:
     them, and how a sequence's tokens are dealt to those.
     Execution: the kernel backend, CUDA graphs, cost-based routing of short extends to
     the absorbed MQA path, and the random seed.
+
+    Construction checks every field (`validate`): a TypeError or ValueError names the
+    argument, and a dtype given by name becomes the torch.dtype.
     """
 
     # Model
     model: str = field(default="tiny", metadata={
         "help": "'tiny' (the built-in model) or a Hugging Face checkpoint directory"})
-    dtype: torch.dtype | None = field(default=None, metadata={
-        "help": "model dtype (default: bfloat16 on CUDA, float32 on the CPU)"})
+    dtype: torch.dtype | str | None = field(default=None, metadata={
+        "help": "model dtype, a torch.dtype or its name; auto (None): bfloat16 on CUDA, "
+        "float32 on the CPU",
+        "parse": _parse_dtype, "metavar": "{auto," + ",".join(sorted(DTYPES)) + "}"})
     device: str | torch.device | None = field(default=None, metadata={
-        "help": "cpu or cuda (default: cuda when present)"})
+        "help": "cpu, cuda or cuda:N (default: cuda when present)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence, prompt and output (default: the model's "
         "max_position_embeddings)"})
@@ -86,11 +106,65 @@ class EngineArgs:
     seed: int = field(default=0, metadata={
         "help": "seed of the sampling generator and of torch's global one"})
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and value, as far as they can be checked without the
+        model or the device (LLM() checks the rest); normalise dtype to a torch.dtype or
+        None and model to a str."""
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be 'tiny' or a checkpoint directory, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if isinstance(self.dtype, str):
+            if self.dtype != "auto" and self.dtype not in DTYPES:
+                raise ValueError(f"dtype must be auto, {', '.join(sorted(DTYPES))} or one of "
+                                 f"{MODEL_DTYPES}, got {self.dtype!r}")
+            self.dtype = DTYPES.get(self.dtype)
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, its name or 'auto', got "
+                             f"{self.dtype!r}")
+        if self.device is not None:
+            _check_device(self.device)
+        if self.max_model_len is not None:
+            self.max_model_len = integer("max_model_len", self.max_model_len, minimum=1)
+        self.block_size = integer("block_size", self.block_size, minimum=1)
+        if not isinstance(self.kv_cache_dtype, (str, torch.dtype)):
+            raise TypeError(f"kv_cache_dtype must be a str or a torch.dtype, got "
+                            f"{self.kv_cache_dtype!r}")
+        resolve_cache_dtype(self.kv_cache_dtype, self.dtype or torch.float32)
+        if self.num_kv_blocks is not None:  # block 0 is reserved: 2 at least
+            self.num_kv_blocks = integer("num_kv_blocks", self.num_kv_blocks, minimum=2)
+        self.gpu_memory_utilization = real("gpu_memory_utilization",
+                                           self.gpu_memory_utilization)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.workspace_rows is not None:
+            self.workspace_rows = integer("workspace_rows", self.workspace_rows, minimum=1)
+        self.max_num_seqs = integer("max_num_seqs", self.max_num_seqs, minimum=1)
+        self.max_num_batched_tokens = integer("max_num_batched_tokens",
+                                              self.max_num_batched_tokens, minimum=1)
+        self.tensor_parallel_size = integer("tensor_parallel_size", self.tensor_parallel_size)
+        self.decode_context_parallel_size = integer("decode_context_parallel_size",
+                                                    self.decode_context_parallel_size)
+        check_parallel_sizes(self.tensor_parallel_size, self.decode_context_parallel_size)
+        self.cp_kv_cache_interleave_size = integer(
+            "cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, minimum=1)
+        if self.backend not in available_backends():
+            raise ValueError(f"backend must be one of {available_backends()}, got "
+                             f"{self.backend!r}")
+        for name in ("enable_prefix_caching", "async_scheduling", "enforce_eager",
+                     "route_by_cost"):
+            boolean(name, getattr(self, name))
+        # torch.Generator.manual_seed's range.
+        self.seed = integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """One flag per field: `--block-size` for block_size, `--x / --no-x` for a bool
         field x, plus the spellings in its metadata's "aliases"; help and default from
-        the field."""
+        the field, the text's parser from its metadata's "parse" or its type."""
         group = parser.add_argument_group("engine (pagedmla.EngineArgs)")
         hints = typing.get_type_hints(EngineArgs)
         for f in fields(EngineArgs):
@@ -102,7 +176,10 @@ class EngineArgs:
                 group.add_argument(*flags, dest=f.name, default=f.default, help=text,
                                    action=argparse.BooleanOptionalAction)
             else:
-                parse, metavar = _flag_type(hints[f.name])
+                parse, metavar = (
+                    (f.metadata["parse"], f.metadata["metavar"]) if "parse" in f.metadata
+                    else _flag_type(hints[f.name])
+                )
                 group.add_argument(*flags, dest=f.name, default=f.default, help=text,
                                    type=parse, metavar=metavar)
 
@@ -112,22 +189,26 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
-def _parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(
-            f"invalid dtype {name!r}: choose from {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
+def _check_device(device: object) -> None:
+    """ValueError unless device names the CPU (index 0 at most) or a CUDA device;
+    whether that CUDA device exists is LLM()'s to check."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or a torch.device, got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}") from error
+    if parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
 def _flag_type(hint: Any) -> tuple[Callable[[str], Any], str | None]:
     """How a flag's text becomes the field's value, and its metavar (None: argparse's):
-    a field that takes a str takes the text as is (a device or cache dtype name), a
-    torch.dtype field one of DTYPES' names, others their own type (int, float)."""
+    a field that takes a str takes the text as is (a device or cache dtype name), others
+    their own type (int, float)."""
     kinds = set(typing.get_args(hint)) - {type(None)} or {hint}
     if str in kinds:
         return str, None
-    if torch.dtype in kinds:
-        return _parse_dtype, "{" + ",".join(sorted(DTYPES)) + "}"
     (kind,) = kinds
     return kind, None
 

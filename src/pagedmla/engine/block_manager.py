@@ -21,6 +21,7 @@ sequence's list, so that a step's [B, width] table is one numpy gather
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,21 +180,40 @@ class BlockManager:
         Tail blocks are released first, so among cached blocks they are evicted first
         (a later request is likelier to share the head of a prompt than its tail).
         """
-        for block in reversed(seq.block_table):
+        # The table is detached first: freeing a sequence twice, or again after a free
+        # cut short by an interrupt, does not drop references it no longer holds.
+        blocks, seq.block_table = seq.block_table, []
+        for block in reversed(blocks):
             self._ref_counts[block] -= 1
             assert self._ref_counts[block] >= 0, f"block {block} freed more often than taken"
             if self._ref_counts[block] == 0:
-                if block in self._cached:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
-        seq.block_table = []
+                self._release(block)
         self._chains.pop(seq.seq_id, None)
-        row = self._row_of.pop(seq.seq_id, None)
-        if row is not None:
-            self._tables[row, : self._table_lens[row]] = 0
-            self._table_lens[row] = 0
-            self._spare_rows.append(row)
+        self._release_row(seq.seq_id)
+
+    def reclaim(self, holders: Iterable[Sequence]) -> None:
+        """Recount every block's references from the block tables of holders, the
+        sequences that keep their blocks, and release every other block.
+
+        For after a failure: a step cut short (an exception, Ctrl-C) may have left blocks
+        taken for a sequence that is then dropped before they reached its table. Costs
+        O(num_blocks); the per-step path never calls it.
+        """
+        counts = [0] * self.num_blocks
+        kept = set()
+        for seq in holders:
+            kept.add(seq.seq_id)
+            for block in seq.block_table:
+                counts[block] += 1
+        released = set(self._free).union(self._evictable)
+        self._ref_counts = counts
+        for block in range(1, self.num_blocks):
+            if counts[block] == 0 and block not in released:
+                self._release(block)
+        for seq_id in set(self._row_of) - kept:
+            self._release_row(seq_id)
+        for seq_id in set(self._chains) - kept:
+            del self._chains[seq_id]
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """The block tables of ``seqs`` as a new int32 array [len(seqs), longest table]:
@@ -206,6 +226,21 @@ class BlockManager:
         """Flat cache slot of token ``position`` of ``seq``."""
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
+
+    def _release(self, block: int) -> None:
+        """An unreferenced block becomes evictable if its content is registered, else free."""
+        if block in self._cached:
+            self._evictable[block] = None
+        else:
+            self._free.append(block)
+
+    def _release_row(self, seq_id: int) -> None:
+        """Clear a sequence's row of the block table mirror and make it spare."""
+        row = self._row_of.pop(seq_id, None)
+        if row is not None:
+            self._tables[row] = 0
+            self._table_lens[row] = 0
+            self._spare_rows.append(row)
 
     def _extend_table(self, seq: Sequence, blocks: list[int]) -> None:
         """Append ``blocks`` to ``seq.block_table`` and to its row of the mirror."""

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
+import numbers
+import threading
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -13,7 +17,6 @@ from tqdm.auto import tqdm
 
 from pagedmla.cache import LatentKVCache, resolve_cache_dtype
 from pagedmla.device import resolve_device
-from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
@@ -29,6 +32,7 @@ from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_model
 from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
+from pagedmla.validation import integer
 
 
 @dataclass
@@ -84,15 +88,11 @@ class LLM:
 
     def __init__(self, model: str | EngineArgs = "tiny", **kwargs: Any) -> None:
         """LLM(EngineArgs(...)), or LLM(model, **kwargs) with EngineArgs' fields as
-        keywords; an unknown keyword is a TypeError naming it."""
+        keywords; an unknown keyword is a TypeError naming it, and every argument is
+        checked (`EngineArgs.validate`) before anything is built."""
         args = _engine_args(model, kwargs)
         self.args = args
-        check_parallel_sizes(args.tensor_parallel_size, args.decode_context_parallel_size)
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-            )
-        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _engine_device(args.device)
         dtype = args.dtype
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -167,6 +167,7 @@ class LLM:
         self.generator = torch.Generator(device=device).manual_seed(args.seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)
         self._next_id = 0
+        self._lock = threading.Lock()  # one generate() at a time
         self.stats = EngineStats()
         if self.parallel is not None:
             self.parallel.ready()
@@ -246,84 +247,128 @@ class LLM:
             )
         return blocks
 
-    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        return None, ids
-
     def generate(
         self,
-        prompts: SequenceABC[str] | SequenceABC[list[int]] | str,
+        prompts: str | SequenceABC[str] | SequenceABC[SequenceABC[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in prompt order."""
-        if self.parallel is not None:
-            return self.parallel.generate(
-                self._generate, self.runner.execute, prompts, sampling_params, use_tqdm
-            )
-        return self._generate(prompts, sampling_params, use_tqdm)
+        """Complete every prompt; outputs come back in prompt order.
+
+        prompts: one str, or a list of prompts, each a str or a list of token ids (a
+        flat list of ids is refused: it would be one prompt, so wrap it). sampling_params:
+        one SamplingParams for all, or one per prompt (None: the defaults).
+
+        Every prompt and SamplingParams is checked before any request is queued; each
+        request keeps a checked copy of its SamplingParams, so changing one afterwards
+        affects only later calls. Calls from several threads run one after the other. A
+        call that fails or is interrupted (Ctrl-C) aborts its requests before the error
+        propagates, so the next call runs as on a fresh LLM.
+        """
+        with self._lock:
+            if self.parallel is not None:
+                return self.parallel.generate(
+                    self._generate, self.runner.execute, prompts, sampling_params, use_tqdm
+                )
+            return self._generate(prompts, sampling_params, use_tqdm)
 
     def _generate(
         self,
-        prompts: SequenceABC[str] | SequenceABC[list[int]] | str,
+        prompts: str | SequenceABC[str] | SequenceABC[SequenceABC[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        self.stats = EngineStats()
-        requests = []
-        for prompt, p in zip(prompts, params, strict=True):
-            text, ids = self._encode(prompt)
-            if len(ids) + p.max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} exceeds "
-                    f"max_model_len {self.max_model_len}"
-                )
-            seq = Sequence(self._next_id, ids, p)
-            self._next_id += 1
-            self.scheduler.add(seq)
-            requests.append((text, seq))
+        requests = self._requests(prompts, sampling_params)
         generators = {
             seq.seq_id: torch.Generator(device=self.device).manual_seed(seq.params.seed)
             for _, seq in requests
             if seq.params.seed is not None
         }
+        self.stats = EngineStats()
         start = time.perf_counter()
         self._last_done = start
         preemptions = self.scheduler.num_preemptions
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-            launched: LaunchedStep | None = None
-            while launched is not None or self.scheduler.has_unfinished():
-                if launched is None:
-                    launched = self.launch(self.scheduler.schedule(), generators)
-                ahead = (
-                    self.scheduler.schedule_ahead(launched.batch)
-                    if self.async_scheduling
-                    else None
-                )
-                following = None if ahead is None else self.launch(ahead, generators, launched)
-                bar.update(len(self.complete(launched, start)))
-                launched = following
+        try:
+            for _, seq in requests:
+                self.scheduler.add(seq)
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                launched: LaunchedStep | None = None
+                while launched is not None or self.scheduler.has_unfinished():
+                    if launched is None:
+                        launched = self.launch(self.scheduler.schedule(), generators)
+                    ahead = (
+                        self.scheduler.schedule_ahead(launched.batch)
+                        if self.async_scheduling
+                        else None
+                    )
+                    following = (
+                        None if ahead is None else self.launch(ahead, generators, launched)
+                    )
+                    bar.update(len(self.complete(launched, start)))
+                    launched = following
+        except BaseException:
+            self._abort([seq for _, seq in requests])
+            raise
         self.stats.preemptions = self.scheduler.num_preemptions - preemptions
         return [self._output(text, seq) for text, seq in requests]
+
+    def _requests(
+        self,
+        prompts: str | SequenceABC[str] | SequenceABC[SequenceABC[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+    ) -> list[tuple[str | None, Sequence]]:
+        """The call's prompts as new sequences, none queued yet: a TypeError or ValueError
+        naming the prompt or the argument for the first one that is not right."""
+        prompts = _prompt_list(prompts)
+        params = _checked_params(sampling_params, len(prompts))
+        requests = []
+        for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            text, ids = self._encode(index, prompt)
+            if len(ids) + p.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompts[{index}] of {len(ids)} tokens + max_tokens {p.max_tokens} "
+                    f"exceeds max_model_len {self.max_model_len}"
+                )
+            seq = Sequence(self._next_id + index, ids, p)
+            self.scheduler.check(seq, f"prompts[{index}]")
+            requests.append((text, seq))
+        self._next_id += len(requests)
+        return requests
+
+    def _encode(self, index: int, prompt: object) -> tuple[str | None, list[int]]:
+        """prompts[index] as (its text or None, its token ids)."""
+        name = f"prompts[{index}]"
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, _token_ids(name, prompt, self.config.vocab_size)
+        else:
+            raise TypeError(f"{name} must be a str or a list of token ids, got "
+                            f"{type(prompt).__name__} {prompt!r:.80}")
+        if not ids:
+            # With no token there is no position whose logits predict the first output.
+            raise ValueError(f"{name} is empty: a prompt needs at least one token")
+        return text, ids
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        """Undo a failed call: drop its sequences, wherever the failure left them, and
+        free every block that no remaining sequence holds.
+
+        On CUDA the steps already launched may still run: they are waited for first, so
+        that nothing still writes to the freed blocks or reads the step buffers the next
+        call fills. Under tensor parallelism the other ranks keep no request state: they
+        run the steps they are sent, and a step whose sending failed has closed the
+        workers (`ParallelRuntime.watching_workers`), so nothing is left half-sent.
+        """
+        if self.device.type == "cuda":
+            # A device error may be the failure itself: the exception raised is then the
+            # one that stopped the call, not this wait's.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
+        self.scheduler.abort(seqs)
+        self.block_manager.reclaim([*self.scheduler.waiting, *self.scheduler.running])
 
     def step(self, generators: dict[int, torch.Generator], start: float) -> list[Sequence]:
         """Schedule, run and sample one step; returns the sequences it finished."""
@@ -371,7 +416,7 @@ class LLM:
         elapsed = done - max(launched.tick, self._last_done)
         self._last_done = done
         now = done - start
-        decode_tokens = sum(1 for n in batch.num_new_tokens if n == 1)
+        decode_tokens = batch.num_decode_tokens()
         prefill_tokens = batch.num_tokens - decode_tokens
         self.stats.steps += 1
         self.stats.decode_tokens += decode_tokens
@@ -395,17 +440,84 @@ class LLM:
 
 
 def _engine_args(model: str | EngineArgs, keywords: dict[str, Any]) -> EngineArgs:
-    """What LLM(model, **keywords) was given, as EngineArgs."""
+    """What LLM(model, **keywords) was given, as checked EngineArgs of its own."""
     if isinstance(model, EngineArgs):
         if keywords:
             raise TypeError(f"LLM() takes EngineArgs or keywords, not both; got EngineArgs "
                             f"and {', '.join(sorted(keywords))}")
-        return model
+        return replace(model)  # a copy, checked again: the caller's may have changed
     unknown = sorted(set(keywords) - {f.name for f in fields(EngineArgs)})
     if unknown:
         raise TypeError(f"LLM() got unexpected keyword arguments: {', '.join(unknown)} "
                         f"(the engine's arguments are the fields of pagedmla.EngineArgs)")
     return EngineArgs(model=model, **keywords)
+
+
+def _engine_device(device: str | torch.device | None) -> torch.device:
+    """The device named (EngineArgs checked its form), or CUDA when present, else the
+    CPU; a ValueError for a CUDA device this machine lacks."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    count = torch.cuda.device_count()
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"device {str(device)!r}: this machine has {count} CUDA devices")
+    return resolve_device(device)
+
+
+def _prompt_list(prompts: object) -> list[object]:
+    """generate()'s prompts as a list of prompts (each checked by `LLM._encode`)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError("prompts must be a str or a list of prompts, each a str or a list of "
+                        f"token ids, got {type(prompts).__name__} {prompts!r:.80}")
+    if prompts and all(isinstance(p, numbers.Integral) for p in prompts):
+        flat = repr(list(prompts)) if len(prompts) <= 8 else "[...]"
+        raise TypeError(f"prompts is a flat list of token ids, {flat:.80}: a prompt of token "
+                        f"ids goes inside the list of prompts, [{flat:.80}] for one prompt")
+    return list(prompts)
+
+
+def _token_ids(name: str, prompt: SequenceABC[object], vocab_size: int) -> list[int]:
+    """A prompt's token ids as ints: a TypeError naming name[j] for an id that is not an
+    int (a bool or a float is not), a ValueError for one outside [0, vocab_size)."""
+    ids = list(prompt)
+    if not all(type(token) is int for token in ids):
+        ids = [integer(f"{name}[{j}]", token) for j, token in enumerate(ids)]
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
+        j = next(j for j, token in enumerate(ids) if not 0 <= token < vocab_size)
+        raise ValueError(f"{name}[{j}] must be a token id in [0, {vocab_size}), got {ids[j]}")
+    return ids
+
+
+def _checked_params(
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each a checked copy (`SamplingParams.validate`) of
+    the one given for it, so that the caller's objects stay as they are and changing them
+    later does not reach the requests; None means the defaults for every prompt."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        given = [sampling_params] * count
+    elif isinstance(sampling_params, (list, tuple)):
+        given = list(sampling_params)
+        if len(given) != count:
+            raise ValueError(f"got {len(given)} SamplingParams for {count} prompts")
+        for index, params in enumerate(given):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got "
+                                f"{type(params).__name__} {params!r:.80}")
+    else:
+        raise TypeError("sampling_params must be a SamplingParams, a list of them or None, "
+                        f"got {type(sampling_params).__name__} {sampling_params!r:.80}")
+    copies: dict[int, SamplingParams] = {}
+    for params in given:  # each object checked once, however many prompts share it
+        if id(params) not in copies:
+            copies[id(params)] = checked = copy.copy(params)
+            checked.validate()
+    return [copies[id(params)] for params in given]
 
 
 def _serve_driver(args: EngineArgs) -> None:

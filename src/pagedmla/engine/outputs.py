@@ -27,7 +27,14 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """Counters of the last generate() call, for throughput reports."""
+    """Counters of the last generate() call, for throughput reports.
+
+    Tokens count by what they are (`ScheduledBatch.num_decode_tokens`): a decode token
+    is a sampled token fed back to sample the next, one per sequence and step; every
+    other token fed is a prefill token: prompt tokens, in chunks of any size (one token
+    included), and the tokens a preempted sequence recomputes before its newest. A
+    step's time is split between the two in proportion to their tokens.
+    """
 
     prefill_tokens: int = 0
     decode_tokens: int = 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from pagedmla.validation import boolean, integer, real
 
 
 @dataclass
@@ -22,8 +25,12 @@ class SamplingParams:
         logprobs: None for no log-probabilities; otherwise the number of most likely
             tokens whose log-probability is returned at each step (the sampled token
             is always included, so 0 returns only the sampled token's).
-        seed: per-request seed; a seeded request draws its randomness from its own
-            generator, so its tokens do not depend on the other requests in a batch.
+        seed: per-request seed, an int in [0, 2**64); a seeded request draws its
+            randomness from its own generator, so its tokens do not depend on the
+            other requests in a batch.
+
+    Each field is checked by type and value (`validate`) when the object is made and
+    again by every `LLM.generate` call it is given to.
     """
 
     temperature: float = 1.0
@@ -36,16 +43,52 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # written this way so that NaN is rejected too
-            _reject("temperature", ">= 0", self.temperature)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and value; TypeError or ValueError naming the field.
+
+        Runs at construction and again in `LLM.generate`, so that a field changed after
+        construction is checked too. Numbers become plain ints and floats (a numpy
+        integer is an int, a bool is not) and stop_token_ids a list.
+        """
+        self.temperature = _real("temperature", self.temperature)
+        if not 0.0 <= self.temperature < math.inf:  # NaN fails too
+            _reject("temperature", "finite and >= 0", self.temperature)
+        self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             _reject("top_p", "in (0, 1]", self.top_p)
+        self.top_k = _int("top_k", self.top_k)
         if self.top_k != -1 and self.top_k < 1:
             _reject("top_k", "-1 (disabled) or >= 1", self.top_k)
+        self.max_tokens = _int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             _reject("max_tokens", ">= 1", self.max_tokens)
-        if self.logprobs is not None and self.logprobs < 0:
-            _reject("logprobs", "None or >= 0", self.logprobs)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise TypeError("SamplingParams.stop_token_ids must be None or a list of token "
+                                f"ids, got {self.stop_token_ids!r}")
+            self.stop_token_ids = [
+                integer(f"SamplingParams.stop_token_ids[{i}]", token, minimum=0)
+                for i, token in enumerate(self.stop_token_ids)
+            ]
+        boolean("SamplingParams.ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                _reject("logprobs", "None or >= 0", self.logprobs)
+        if self.seed is not None:
+            # The range of torch.Generator.manual_seed.
+            self.seed = integer("SamplingParams.seed", self.seed, minimum=0,
+                                maximum=2**64 - 1)
+
+
+def _int(field: str, value: object) -> int:
+    return integer(f"SamplingParams.{field}", value)
+
+
+def _real(field: str, value: object) -> float:
+    return real(f"SamplingParams.{field}", value)
 
 
 def _reject(field: str, expected: str, actual: object) -> None:

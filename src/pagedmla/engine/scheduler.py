@@ -12,7 +12,7 @@ blocks are freed, its tokens kept, and it goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedmla.engine.block_manager import BlockManager
@@ -64,6 +64,18 @@ class ScheduledBatch:
         if self.starts is not None:
             return self.starts
         return [seq.num_computed_tokens for seq in self.seqs]
+
+    def num_decode_tokens(self) -> int:
+        """Tokens that feed back a sampled token to sample the next: the last token of
+        each entry that samples and ends past its sequence's prompt, one per entry. The
+        others are prefill: prompt tokens in chunks of any size (one token included) and
+        the tokens a preempted sequence recomputes before its newest. Call it before
+        ``postprocess`` accounts for the step."""
+        return sum(
+            needs and start + n > seq.num_prompt_tokens
+            for seq, n, needs, start in zip(self.seqs, self.num_new_tokens, self.needs_sample,
+                                            self.first_positions())
+        )
 
 
 @dataclass
@@ -124,7 +136,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; refuse one that could not fit in the whole cache.
+        """Queue a new sequence; refuse one that could not fit in the whole cache (``check``)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence, name: str | None = None) -> None:
+        """ValueError unless seq is new and could fit in the whole cache; the message
+        calls it name (default: "sequence <seq_id>").
 
         The check uses the worst case (prompt + max_tokens - 1 cached tokens: the last
         sampled token is never fed), so an accepted request always runs to completion.
@@ -135,11 +153,27 @@ class Scheduler:
         max_cached = seq.num_prompt_tokens + seq.params.max_tokens - 1
         if manager.blocks_needed(max_cached) > manager.num_usable_blocks:
             raise ValueError(
-                f"sequence {seq.seq_id} needs up to {manager.blocks_needed(max_cached)} cache "
+                f"{name or f'sequence {seq.seq_id}'} needs up to "
+                f"{manager.blocks_needed(max_cached)} cache "
                 f"blocks (prompt {seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens} "
                 f"- 1 tokens), but the cache has {manager.num_usable_blocks}"
             )
-        self.waiting.append(seq)
+
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Drop seqs wherever they are (waiting, running, preempted, or between the two
+        when a step was cut short) and free their blocks; each finishes with reason
+        "abort". Finished sequences are left as they are."""
+        dropped = [seq for seq in seqs if seq.status is not SequenceStatus.FINISHED]
+        ids = {seq.seq_id for seq in dropped}
+        kept = [seq for seq in self.waiting if seq.seq_id not in ids]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+        self.running[:] = [seq for seq in self.running if seq.seq_id not in ids]
+        for seq in dropped:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
         """Whether any sequence is waiting or running."""
