@@ -29,6 +29,7 @@ from pagedmla.cli import main
 from pagedmla.distributed import runtime
 from pagedmla.distributed.channel import Kind
 from pagedmla.distributed.launch import Workers
+from pagedmla.engine import llm as llm_module
 from tests.dist_helpers import free_port
 from tests.engine_helpers import ahead_steps
 
@@ -312,3 +313,38 @@ def test_parallel_async_scheduling_matches_single_process(tp: int, dcp: int) -> 
     assert sizes and min(sizes) < max(sizes)  # ahead steps ran, also after rows left
     assert expected[3].outputs[0].finish_reason == "stop"
     _same([expected], [got])
+
+
+def test_a_failed_call_leaves_the_workers_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C on the driver between steps (here in its sampler) aborts the call's requests;
+    the workers hold no request state and serve the next call, which gives the
+    single-process tokens. A failure while a step is being sent stops the workers, since
+    the ranks may disagree on where they are; the driver is left idle all the same."""
+    prompts, _ = _prompts()
+    expected = LLM("tiny", **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)
+    with LLM("tiny", tensor_parallel_size=2, **OPTIONS) as llm:
+        draw, calls = llm_module.draw, [0]
+
+        def interrupted(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise KeyboardInterrupt
+            return draw(*args, **kwargs)
+
+        monkeypatch.setattr(llm_module, "draw", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[7] * 30, [8] * 50], GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        assert not llm.scheduler.has_unfinished()
+        _same([expected], [llm.generate(prompts, GREEDY, use_tqdm=False)])
+        monkeypatch.setattr(llm.parallel.channel, "send", _broken_send)
+        with pytest.raises(ConnectionError):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        manager = llm.block_manager
+        assert not llm.scheduler.has_unfinished()
+        assert manager.num_free_blocks == manager.num_usable_blocks
+        assert not llm.parallel.is_open
+
+
+def _broken_send(*args, **kwargs) -> None:
+    raise ConnectionError("injected")
