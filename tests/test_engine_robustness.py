@@ -6,7 +6,9 @@ the sampler, the scheduler or the block manager's allocation, at a chosen call. 
 each, the same LLM must answer a follow-up call with exactly the tokens and the number
 of steps of an LLM that never failed, with no sequence left in the scheduler and every
 cache block free. Every prompt starts with two tokens no other prompt starts with, so
-that prefix caching cannot shorten a follow-up call.
+that prefix caching cannot shorten a follow-up call. Where CUDA is present the same
+tests run there too (CUDA graphs, pinned copies, the wait for launched steps); the soak
+runs on the CPU.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine import llm as llm_module
 
 OPTIONS = dict(device="cpu", block_size=16, num_kv_blocks=24, max_num_batched_tokens=32)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 # Four prompts of 100 tokens and 8 more need 4 x 7 blocks, the cache has 23: one is
 # preempted (at the tenth step).
@@ -54,11 +58,14 @@ def _assert_idle(llm: LLM) -> None:
     assert all(manager.ref_count(block) == 0 for block in range(manager.num_blocks))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(scope="module", params=[(device, ahead) for device in DEVICES
+                                        for ahead in (False, True)],
+                ids=lambda param: f"{param[0]}-{'async' if param[1] else 'sync'}")
 def engines(request) -> tuple[LLM, LLM]:
     """The LLM that failures are injected into, and one that never fails."""
-    return (LLM("tiny", async_scheduling=request.param, **OPTIONS),
-            LLM("tiny", async_scheduling=request.param, **OPTIONS))
+    device, ahead = request.param
+    options = {**OPTIONS, "device": device, "async_scheduling": ahead}
+    return LLM("tiny", **options), LLM("tiny", **options)
 
 
 def _assert_recovered(engines: tuple[LLM, LLM]) -> None:
@@ -153,7 +160,8 @@ def test_a_failed_call_leaves_cached_prefixes_reusable(engines) -> None:
     prompt = prefix + [7] * 10
     got = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert llm.stats.prefill_tokens == len(prompt) - 48  # the prefix came from the cache
-    assert _tokens(got) == _tokens(fresh.generate([prompt], GREEDY, use_tqdm=False))
+    if llm.device.type == "cpu":  # float32: reusing the prefix changes no greedy token
+        assert _tokens(got) == _tokens(fresh.generate([prompt], GREEDY, use_tqdm=False))
     _assert_recovered(engines)
 
 
