@@ -317,6 +317,66 @@ def test_bad_cache_arguments() -> None:
         LatentKVCache(4, 16, 32, 8, dtype=torch.int32)
 
 
+@pytest.mark.parametrize(
+    "value", [0.0, 0, -0.5, float("nan"), float("inf"), torch.tensor(0.0), torch.tensor([-1.0])]
+)
+def test_cache_scale_set_to_a_bad_value(value) -> None:
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=0.5)
+    held = cache.scale
+    with pytest.raises(ValueError, match="scale"):
+        cache.scale = value
+    assert cache.scale is held and cache.scale.item() == 0.5
+
+
+@pytest.mark.parametrize("value", ["0.5", True, None, torch.ones(2), torch.tensor(True)])
+def test_cache_scale_of_a_bad_type(value) -> None:
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=0.5)
+    with pytest.raises(TypeError, match="scale"):
+        cache.scale = value
+    with pytest.raises(TypeError, match="scale"):
+        LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=value)
+
+
+def test_cache_scale_set_in_place() -> None:
+    # The kernels (and captured CUDA graphs) read the tensor: assignment writes into it.
+    cache = LatentKVCache(4, 2, 4, 0, kv_cache_dtype="fp8", dtype=torch.float32, scale=0.5)
+    held = cache.scale
+    cache.scale = torch.tensor(0.25, dtype=torch.float64)
+    assert cache.scale is held and cache.scale.dtype == torch.float32
+    REFERENCE.write_cache(cache.data, torch.ones(1, 4), torch.ones(1, 0),
+                          torch.tensor([3]), cache.scale)
+    assert cache.data.view(-1, 4)[3].float().tolist() == [4.0] * 4
+    plain = LatentKVCache(4, 2, 4, 0, dtype=torch.float32)
+    plain.scale = 4.0  # a cache in the model dtype has no scale: it stays 1
+    assert plain.scale.item() == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cache_scale_assigned_after_a_graph_capture() -> None:
+    # A graph captured over an fp8 cache holds the scale tensor's address: a scale
+    # assigned afterwards (a host number, or a device tensor read once) reaches replays.
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", dtype=torch.bfloat16,
+                          device="cuda", scale=1.0)
+    ops = registry.get_backend("auto", "cuda")
+    kv_c = torch.ones(1, 32, dtype=torch.bfloat16, device="cuda")
+    k_pe = torch.ones(1, 8, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([5], device="cuda")
+    ops.write_cache(cache.data, kv_c, k_pe, slots, cache.scale)  # compiles outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.write_cache(cache.data, kv_c, k_pe, slots, cache.scale)
+    for scale in (0.5, torch.tensor(0.25, device="cuda")):
+        cache.scale = scale
+        graph.replay()
+        want = 1 / float(scale)
+        assert cache.data.view(-1, 40)[5].float().eq(want).all(), f"scale {scale}"
+    with pytest.raises(ValueError, match="scale"):
+        cache.scale = torch.tensor(0.0, device="cuda")
+    assert cache.scale.item() == 0.25
+
+
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend"):
         MLAAttention(DIMS, backend="no-such-backend")
