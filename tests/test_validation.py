@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder
+from pagedmla.distributed.dcp_layout import DCPLayout
+from pagedmla.distributed.dcp_metadata import DCPMetadataBuilder
 from pagedmla.ops import REFERENCE, registry
 from pagedmla.testing import PagedBatch, make_paged_batch
 
@@ -217,10 +219,79 @@ def build_spec(spec: BatchSpec, **kwargs):
 def test_slot_beyond_the_cache(batch: PagedBatch) -> None:
     slots = batch.spec.slot_mapping.clone()
     slots[4] = batch.cache.num_blocks * batch.cache.block_size  # one past the last slot
-    meta = build_spec(_spec(batch, slot_mapping=slots))
+    with pytest.raises(ValueError, match=r"slot_mapping\[4\]"):
+        build_spec(_spec(batch, slot_mapping=slots))
+    # Built unchecked (the engine's path), the layer still refuses to write there.
+    meta = MLAMetadataBuilder(DIMS, block_size=16).build(_spec(batch, slot_mapping=slots),
+                                                         validate=False)
     with pytest.raises(ValueError, match="slot"):
         layer(batch)(batch.q, batch.kv_c, batch.k_pe, batch.cache, meta)
     assert batch.cache_mismatches(written=False) == 0, "a rejected step must not write"
+
+
+def _slot(batch: PagedBatch, request: int, position: int) -> int:
+    """The slot of a request's position, from the batch's own list of its blocks."""
+    return batch.blocks[request][position // 16] * 16 + position % 16
+
+
+def _spare_block(batch: PagedBatch) -> int:
+    used = {block for blocks in batch.blocks for block in blocks}
+    return next(b for b in range(1, batch.cache.num_blocks) if b not in used)
+
+
+# Tokens: 0 is request 0 at position 19, 1 is request 1 at 6, 2..6 are request 2 at 35..39.
+@pytest.mark.parametrize(
+    ("token", "wrong_slot"),
+    [
+        pytest.param(0, lambda batch: _slot(batch, 2, 19), id="another request's block"),
+        pytest.param(1, lambda batch: _spare_block(batch) * 16 + 6, id="a free block"),
+        pytest.param(0, lambda batch: 3, id="the null block"),
+        pytest.param(5, lambda batch: _slot(batch, 2, 0), id="its own position 0"),
+        pytest.param(6, lambda batch: _slot(batch, 2, 40), id="its own block, past seq_len"),
+    ],
+)
+def test_slot_outside_its_position(batch: PagedBatch, token: int, wrong_slot) -> None:
+    slots = batch.spec.slot_mapping.clone()
+    right = int(slots[token])
+    slots[token] = wrong_slot(batch)
+    with pytest.raises(ValueError, match=rf"slot_mapping\[{token}\] must be {right} or -1"):
+        build_spec(_spec(batch, slot_mapping=slots))
+
+
+def test_slots_minus_one_may_repeat(batch: PagedBatch) -> None:
+    slots = batch.spec.slot_mapping.clone()
+    slots[[1, 2, 5]] = -1
+    meta = build_spec(_spec(batch, slot_mapping=slots))
+    assert meta.slot_mapping.tolist() == slots.tolist()
+
+
+def test_slot_written_twice() -> None:
+    # Two decodes at position 4 whose tables both list block 3: each slot is its own
+    # request's, but both write slot 52.
+    table = torch.tensor([[3], [3]], dtype=torch.int32)
+    spec = BatchSpec([1, 1], [5, 5], table, torch.tensor([52, 52]))
+    with pytest.raises(ValueError, match=r"slot 52 for tokens \[0, 1\]"):
+        build_spec(spec)
+    # One request whose table lists block 3 twice: positions 0 and 16 both go to slot 48.
+    table = torch.tensor([[3, 3]], dtype=torch.int32)
+    spec = BatchSpec([17], [17], table, torch.tensor([*range(48, 64), 48]))
+    with pytest.raises(ValueError, match=r"slot 48 for tokens \[0, 16\]"):
+        build_spec(spec)
+
+
+def test_decode_context_parallel_builder_checks_the_engine_slots() -> None:
+    # Under DCP the spec's slots are virtual (blocks of block_size * D tokens, the same on
+    # every rank), so every rank refuses the same spec.
+    batch = make_paged_batch(DIMS, [1, 1, 3], [5, 9, 20], block_size=8, seed=3)
+    slots = batch.spec.slot_mapping.clone()
+    slots[1] += 1  # request 1's position 8 written at position 9's slot
+    for rank in range(2):
+        builder = DCPMetadataBuilder(DIMS, DCPLayout(2, rank, 1, 4),
+                                     SimpleNamespace(dcp_size=2, dcp_rank=rank))
+        builder.build(batch.spec)
+        with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
+            builder.build(_spec(batch, slot_mapping=slots))
+        builder.build(_spec(batch, slot_mapping=slots), validate=False)
 
 
 def test_slot_below_minus_one(batch: PagedBatch) -> None:
@@ -237,12 +308,12 @@ def test_slot_mapping_length(batch: PagedBatch, length: int) -> None:
         build_spec(_spec(batch, slot_mapping=slots))
 
 
-def test_prefill_before_decode(batch: PagedBatch) -> None:
-    spec = _spec(batch, query_lens=[5, 1, 1], seq_lens=[40, 20, 7])
+def test_prefill_before_decode() -> None:
+    spec = make_paged_batch(DIMS, [5, 1, 1], [40, 20, 7], 16).spec
     with pytest.raises(ValueError, match="decode"):
         build_spec(spec)
     # With a threshold of 2, a 2-token request after a prefill is out of order too.
-    spec = _spec(batch, query_lens=[1, 4, 2], seq_lens=[20, 7, 40])
+    spec = make_paged_batch(DIMS, [1, 4, 2], [20, 7, 40], 16).spec
     with pytest.raises(ValueError, match="decode"):
         build_spec(spec, decode_threshold=2)
 
