@@ -169,6 +169,21 @@ def test_shape_and_dtype_validation() -> None:
         merge_attn_states(out_p.numpy(), lse_p, out_s, lse_s)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_outputs_are_refused(backend: str, dtype: torch.dtype) -> None:
+    # Both backends would store a float merge into integers, truncated, without a word.
+    out_p, lse_p, out_s, lse_s = (t.to(DEVICE) for t in random_partials(4, 2, 8, seed=9))
+    output = torch.ones(4, 2, 8, dtype=dtype, device=DEVICE)
+    with pytest.raises(TypeError, match=f"output must be floating point, got {dtype}"):
+        merge_attn_states(out_p, lse_p, out_s, lse_s, output=output, backend=backend)
+    assert output.all(), "a refused merge must not write"
+    with pytest.raises(TypeError, match="output_lse must be float32"):
+        merge_attn_states(out_p, lse_p, out_s, lse_s,
+                          output_lse=torch.zeros(2, 4, dtype=dtype, device=DEVICE),
+                          backend=backend)
+
+
 def _oracle_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """The D-way log-sum-exp merge in float64, one (token, head) at a time: the finite
     lse's partials weighted by exp(lse); none finite -> 0."""

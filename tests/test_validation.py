@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from pagedmla import BatchSpec, LatentKVCache, MLAAttention, MLADims, MLAMetadataBuilder
+from pagedmla.distributed.dcp_layout import DCPLayout
+from pagedmla.distributed.dcp_metadata import DCPMetadataBuilder
 from pagedmla.ops import REFERENCE, registry
 from pagedmla.testing import PagedBatch, make_paged_batch
 
@@ -217,10 +219,79 @@ def build_spec(spec: BatchSpec, **kwargs):
 def test_slot_beyond_the_cache(batch: PagedBatch) -> None:
     slots = batch.spec.slot_mapping.clone()
     slots[4] = batch.cache.num_blocks * batch.cache.block_size  # one past the last slot
-    meta = build_spec(_spec(batch, slot_mapping=slots))
+    with pytest.raises(ValueError, match=r"slot_mapping\[4\]"):
+        build_spec(_spec(batch, slot_mapping=slots))
+    # Built unchecked (the engine's path), the layer still refuses to write there.
+    meta = MLAMetadataBuilder(DIMS, block_size=16).build(_spec(batch, slot_mapping=slots),
+                                                         validate=False)
     with pytest.raises(ValueError, match="slot"):
         layer(batch)(batch.q, batch.kv_c, batch.k_pe, batch.cache, meta)
     assert batch.cache_mismatches(written=False) == 0, "a rejected step must not write"
+
+
+def _slot(batch: PagedBatch, request: int, position: int) -> int:
+    """The slot of a request's position, from the batch's own list of its blocks."""
+    return batch.blocks[request][position // 16] * 16 + position % 16
+
+
+def _spare_block(batch: PagedBatch) -> int:
+    used = {block for blocks in batch.blocks for block in blocks}
+    return next(b for b in range(1, batch.cache.num_blocks) if b not in used)
+
+
+# Tokens: 0 is request 0 at position 19, 1 is request 1 at 6, 2..6 are request 2 at 35..39.
+@pytest.mark.parametrize(
+    ("token", "wrong_slot"),
+    [
+        pytest.param(0, lambda batch: _slot(batch, 2, 19), id="another request's block"),
+        pytest.param(1, lambda batch: _spare_block(batch) * 16 + 6, id="a free block"),
+        pytest.param(0, lambda batch: 3, id="the null block"),
+        pytest.param(5, lambda batch: _slot(batch, 2, 0), id="its own position 0"),
+        pytest.param(6, lambda batch: _slot(batch, 2, 40), id="its own block, past seq_len"),
+    ],
+)
+def test_slot_outside_its_position(batch: PagedBatch, token: int, wrong_slot) -> None:
+    slots = batch.spec.slot_mapping.clone()
+    right = int(slots[token])
+    slots[token] = wrong_slot(batch)
+    with pytest.raises(ValueError, match=rf"slot_mapping\[{token}\] must be {right} or -1"):
+        build_spec(_spec(batch, slot_mapping=slots))
+
+
+def test_slots_minus_one_may_repeat(batch: PagedBatch) -> None:
+    slots = batch.spec.slot_mapping.clone()
+    slots[[1, 2, 5]] = -1
+    meta = build_spec(_spec(batch, slot_mapping=slots))
+    assert meta.slot_mapping.tolist() == slots.tolist()
+
+
+def test_slot_written_twice() -> None:
+    # Two decodes at position 4 whose tables both list block 3: each slot is its own
+    # request's, but both write slot 52.
+    table = torch.tensor([[3], [3]], dtype=torch.int32)
+    spec = BatchSpec([1, 1], [5, 5], table, torch.tensor([52, 52]))
+    with pytest.raises(ValueError, match=r"slot 52 for tokens \[0, 1\]"):
+        build_spec(spec)
+    # One request whose table lists block 3 twice: positions 0 and 16 both go to slot 48.
+    table = torch.tensor([[3, 3]], dtype=torch.int32)
+    spec = BatchSpec([17], [17], table, torch.tensor([*range(48, 64), 48]))
+    with pytest.raises(ValueError, match=r"slot 48 for tokens \[0, 16\]"):
+        build_spec(spec)
+
+
+def test_decode_context_parallel_builder_checks_the_engine_slots() -> None:
+    # Under DCP the spec's slots are virtual (blocks of block_size * D tokens, the same on
+    # every rank), so every rank refuses the same spec.
+    batch = make_paged_batch(DIMS, [1, 1, 3], [5, 9, 20], block_size=8, seed=3)
+    slots = batch.spec.slot_mapping.clone()
+    slots[1] += 1  # request 1's position 8 written at position 9's slot
+    for rank in range(2):
+        builder = DCPMetadataBuilder(DIMS, DCPLayout(2, rank, 1, 4),
+                                     SimpleNamespace(dcp_size=2, dcp_rank=rank))
+        builder.build(batch.spec)
+        with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
+            builder.build(_spec(batch, slot_mapping=slots))
+        builder.build(_spec(batch, slot_mapping=slots), validate=False)
 
 
 def test_slot_below_minus_one(batch: PagedBatch) -> None:
@@ -237,12 +308,12 @@ def test_slot_mapping_length(batch: PagedBatch, length: int) -> None:
         build_spec(_spec(batch, slot_mapping=slots))
 
 
-def test_prefill_before_decode(batch: PagedBatch) -> None:
-    spec = _spec(batch, query_lens=[5, 1, 1], seq_lens=[40, 20, 7])
+def test_prefill_before_decode() -> None:
+    spec = make_paged_batch(DIMS, [5, 1, 1], [40, 20, 7], 16).spec
     with pytest.raises(ValueError, match="decode"):
         build_spec(spec)
     # With a threshold of 2, a 2-token request after a prefill is out of order too.
-    spec = _spec(batch, query_lens=[1, 4, 2], seq_lens=[20, 7, 40])
+    spec = make_paged_batch(DIMS, [1, 4, 2], [20, 7, 40], 16).spec
     with pytest.raises(ValueError, match="decode"):
         build_spec(spec, decode_threshold=2)
 
@@ -315,6 +386,66 @@ def test_bad_cache_arguments() -> None:
         LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=float("nan"))
     with pytest.raises(TypeError, match="dtype"):
         LatentKVCache(4, 16, 32, 8, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "value", [0.0, 0, -0.5, float("nan"), float("inf"), torch.tensor(0.0), torch.tensor([-1.0])]
+)
+def test_cache_scale_set_to_a_bad_value(value) -> None:
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=0.5)
+    held = cache.scale
+    with pytest.raises(ValueError, match="scale"):
+        cache.scale = value
+    assert cache.scale is held and cache.scale.item() == 0.5
+
+
+@pytest.mark.parametrize("value", ["0.5", True, None, torch.ones(2), torch.tensor(True)])
+def test_cache_scale_of_a_bad_type(value) -> None:
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=0.5)
+    with pytest.raises(TypeError, match="scale"):
+        cache.scale = value
+    with pytest.raises(TypeError, match="scale"):
+        LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", scale=value)
+
+
+def test_cache_scale_set_in_place() -> None:
+    # The kernels (and captured CUDA graphs) read the tensor: assignment writes into it.
+    cache = LatentKVCache(4, 2, 4, 0, kv_cache_dtype="fp8", dtype=torch.float32, scale=0.5)
+    held = cache.scale
+    cache.scale = torch.tensor(0.25, dtype=torch.float64)
+    assert cache.scale is held and cache.scale.dtype == torch.float32
+    REFERENCE.write_cache(cache.data, torch.ones(1, 4), torch.ones(1, 0),
+                          torch.tensor([3]), cache.scale)
+    assert cache.data.view(-1, 4)[3].float().tolist() == [4.0] * 4
+    plain = LatentKVCache(4, 2, 4, 0, dtype=torch.float32)
+    plain.scale = 4.0  # a cache in the model dtype has no scale: it stays 1
+    assert plain.scale.item() == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cache_scale_assigned_after_a_graph_capture() -> None:
+    # A graph captured over an fp8 cache holds the scale tensor's address: a scale
+    # assigned afterwards (a host number, or a device tensor read once) reaches replays.
+    cache = LatentKVCache(4, 16, 32, 8, kv_cache_dtype="fp8", dtype=torch.bfloat16,
+                          device="cuda", scale=1.0)
+    ops = registry.get_backend("auto", "cuda")
+    kv_c = torch.ones(1, 32, dtype=torch.bfloat16, device="cuda")
+    k_pe = torch.ones(1, 8, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([5], device="cuda")
+    ops.write_cache(cache.data, kv_c, k_pe, slots, cache.scale)  # compiles outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.write_cache(cache.data, kv_c, k_pe, slots, cache.scale)
+    for scale in (0.5, torch.tensor(0.25, device="cuda")):
+        cache.scale = scale
+        graph.replay()
+        want = 1 / float(scale)
+        assert cache.data.view(-1, 40)[5].float().eq(want).all(), f"scale {scale}"
+    with pytest.raises(ValueError, match="scale"):
+        cache.scale = torch.tensor(0.0, device="cuda")
+    assert cache.scale.item() == 0.25
 
 
 def test_unknown_backend() -> None:

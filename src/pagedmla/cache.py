@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from pagedmla.device import resolve_device
@@ -32,13 +34,33 @@ def resolve_cache_dtype(kv_cache_dtype: str | torch.dtype, dtype: torch.dtype) -
     )
 
 
+def _scale_value(value: object) -> float:
+    """A cache scale as a float: a real number or a one-element tensor (read once on the
+    host), finite and > 0."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"scale must be a number or a one-element real tensor, got a {value.dtype} "
+                f"tensor of shape {tuple(value.shape)}"
+            )
+        value = value.item()
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {type(value).__name__}")
+    return positive_finite("scale", value)
+
+
 class LatentKVCache:
     """Paged storage for the latents of one MLA layer.
 
     `data` is [num_blocks, block_size, L + R]: `data[b, i, :L]` is the normalised latent
     kv_c of the token in slot b * block_size + i and `data[b, i, L:]` its rotated k_pe.
     With an fp8 cache, one float32 per-tensor `scale` covers latent and rope alike
-    (they share a row): stored = x / scale, read = stored * scale.
+    (they share a row): stored = x / scale, read = stored * scale. `scale` is a 0-dim
+    float32 tensor on the cache's device that the kernels (and CUDA graphs captured
+    over them) read; assigning `cache.scale = x` checks x (finite, > 0) and writes it
+    into that tensor. A cache in the model dtype ignores its scale and keeps 1.0.
+    Writing into the tensor in place (`cache.scale.fill_(...)`) is not checked, as
+    writing into `data` is not.
     """
 
     def __init__(
@@ -62,7 +84,7 @@ class LatentKVCache:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        scale = positive_finite("scale", scale)
+        scale = _scale_value(scale)
         self.dtype = dtype
         self.cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
         self.num_blocks = num_blocks
@@ -74,8 +96,19 @@ class LatentKVCache:
             num_blocks, block_size, kv_lora_rank + rope_dim, dtype=self.cache_dtype,
             device=self.device,
         )
-        self.scale = torch.tensor(scale if self.is_fp8 else 1.0, dtype=torch.float32,
-                                  device=self.device)
+        self._scale = torch.tensor(scale if self.is_fp8 else 1.0, dtype=torch.float32,
+                                   device=self.device)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The fp8 scale, a 0-dim float32 tensor on the cache's device (1.0 unless fp8)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float | torch.Tensor) -> None:
+        value = _scale_value(value)
+        # In place: a captured CUDA graph holds this tensor's address.
+        self._scale.fill_(value if self.is_fp8 else 1.0)
 
     @property
     def is_fp8(self) -> bool:

@@ -30,8 +30,9 @@ def merge_attn_states(
     out = (e^lse_p * out_p + e^lse_s * out_s) / (e^lse_p + e^lse_s), lse = log of the
     denominator. An lse of -inf (or +inf, which some kernels report for rows with no
     key) marks an empty partial; merging with an empty partial returns the other one,
-    two empties give output 0 and lse -inf. Results go to `output`/`output_lse` when
-    given (they may alias the inputs) and are returned.
+    two empties give output 0 and lse -inf. Results go to `output` (floating point:
+    the merge is computed in float32 and rounded once to its dtype) and `output_lse`
+    (float32) when given (they may alias the inputs) and are returned.
     """
     if not isinstance(prefix_output, torch.Tensor):
         raise TypeError(f"prefix_output must be a torch.Tensor, got {type(prefix_output).__name__}")
@@ -55,6 +56,8 @@ def merge_attn_states(
         output = torch.empty_like(prefix_output)
     else:
         _check("output", output, (T, N, D), device)
+        if not output.is_floating_point():
+            raise TypeError(f"output must be floating point, got {output.dtype}")
     if output_lse is None:
         output_lse = torch.empty(N, T, dtype=torch.float32, device=device)
     else:

@@ -32,8 +32,11 @@ class BatchSpec:
 
     query_lens[b]: new tokens of request b this step; seq_lens[b]: its tokens after the
     step (context C = seq_len - query_len). block_table: int32 [B, max_blocks] on the
-    CPU; slot_mapping: int64 [T] on the CPU, the cache slot of each new token (-1: no
-    write). Requests with query_len <= decode_threshold come first.
+    CPU, each row a request's blocks in position order; slot_mapping: int64 [T] on the
+    CPU, the cache slot of each new token: token k of request b is at position
+    p = C + k and goes to slot block_table[b, p // block_size] * block_size
+    + p % block_size, the slot attention reads it from, or -1 (no write); no slot twice.
+    Requests with query_len <= decode_threshold come first.
     """
 
     query_lens: Sequence[int]
@@ -318,13 +321,15 @@ class MLAMetadataBuilder:
     def workspace_rows(self) -> int:
         return self.workspace.rows
 
-    def build(self, spec: BatchSpec) -> MLAMetadata:
-        query_lens = _int_list("query_lens", spec.query_lens)
-        seq_lens = _int_list("seq_lens", spec.seq_lens)
-        block_table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
-        slot_mapping = _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
+    def build(self, spec: BatchSpec, validate: bool = True) -> MLAMetadata:
+        """The step's metadata. validate=False skips the O(T) check of `slot_mapping`
+        against the tokens' positions (`BatchSpec`) for callers that derive the slots
+        from the block table, as the engine does every step; the O(B) checks run
+        always."""
+        query_lens, seq_lens, block_table, slot_mapping, max_block = self._checked(
+            spec, slots=validate
+        )
         num_reqs = len(query_lens)
-        max_block = self._validate(query_lens, seq_lens, block_table, slot_mapping)
         num_tokens = sum(query_lens)
 
         mqa = [self.uses_mqa(q, s - q) for q, s in zip(query_lens, seq_lens)]
@@ -415,6 +420,60 @@ class MLAMetadataBuilder:
             max_context_chunk=self.workspace.rows // self.block_size * self.block_size,
             split_alignment=self.block_size,
         )
+
+    def _checked(
+        self, spec: BatchSpec, slots: bool
+    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, int]:
+        """spec's fields checked (its slots too where `slots`), and the largest block id
+        the requests use."""
+        query_lens = _int_list("query_lens", spec.query_lens)
+        seq_lens = _int_list("seq_lens", spec.seq_lens)
+        block_table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
+        slot_mapping = _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
+        max_block = self._validate(query_lens, seq_lens, block_table, slot_mapping)
+        if slots:
+            self._validate_slots(query_lens, seq_lens, block_table.numpy(),
+                                 slot_mapping.numpy())
+        return query_lens, seq_lens, block_table, slot_mapping, max_block
+
+    def _validate_slots(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_table: np.ndarray,
+        slot_mapping: np.ndarray,
+    ) -> None:
+        """Raise unless each new token's slot is -1 or the slot of its position in its
+        request's blocks, and no slot is written twice (block_table listing a block for
+        two written positions, of two requests or of one)."""
+        counts = np.asarray(query_lens, dtype=np.int64)
+        request = np.repeat(np.arange(counts.size), counts)
+        # Request b's tokens sit at batch offsets first[b] .. and positions C_b ..
+        first = np.cumsum(counts) - counts
+        offsets = np.asarray(seq_lens, dtype=np.int64) - counts - first
+        positions = np.arange(slot_mapping.size) + np.repeat(offsets, counts)
+        size = self.table_block_size
+        entries = positions // size
+        expected = block_table[request, entries].astype(np.int64) * size + positions % size
+        wrong = (slot_mapping != expected) & (slot_mapping != -1)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            b, entry = int(request[i]), int(entries[i])
+            raise ValueError(
+                f"slot_mapping[{i}] must be {expected[i]} or -1, got {slot_mapping[i]}: token "
+                f"{i} is position {positions[i]} of request {b}, whose block_table[{b}, "
+                f"{entry}] is block {block_table[b, entry]}"
+            )
+        written = np.sort(slot_mapping[slot_mapping >= 0])
+        twice = written[1:] == written[:-1]
+        if twice.any():
+            slot = int(written[int(np.argmax(twice))])
+            tokens = np.flatnonzero(slot_mapping == slot).tolist()
+            raise ValueError(
+                f"slot_mapping must name each slot once (-1 may repeat), got slot {slot} for "
+                f"tokens {tokens}: block_table lists block {slot // size} for the positions "
+                "of more than one of them"
+            )
 
     def _validate(
         self,

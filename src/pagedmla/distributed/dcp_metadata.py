@@ -77,8 +77,10 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
         self.gather_buffers = Workspace(self.rows_per_rank * (layout.size + 1), self.device)
         self.decode_hook = DCPDecode(state)
 
-    def build(self, spec: BatchSpec) -> MLAMetadata:
-        meta = super().build(self._rank_spec(spec))
+    def build(self, spec: BatchSpec, validate: bool = True) -> MLAMetadata:
+        if validate:  # the virtual slots, before they become this rank's
+            self._checked(spec, slots=True)
+        meta = super().build(self._rank_spec(spec), validate=False)
         if meta.decode is not None:
             meta.decode.dcp = self.decode_hook
         if meta.prefill is not None and meta.prefill.context is not None:

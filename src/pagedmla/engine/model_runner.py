@@ -160,7 +160,7 @@ class ModelRunner:
         ):
             return graphs.run(token_ids, positions, self.builder.decode_spec(spec), sample_rows,
                               device_token_ids)
-        meta = self.builder.build(spec)
+        meta = self.builder.build(spec, validate=False)  # prepare() derives the slots
         pieces = self.pieces
         if pieces is not None and token_ids.shape[0] <= pieces.max_tokens:
             return pieces.run(token_ids, positions, meta, sample_rows, device_token_ids)
