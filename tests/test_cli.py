@@ -1,8 +1,10 @@
 """The command line runs end to end on the CPU: generate, bench and check, as `pagedmla`
-(`main`) and as `python -m pagedmla`."""
+(`main`) and as `python -m pagedmla`; bad flags and inputs are refused without a traceback."""
 
 from __future__ import annotations
 
+import codecs
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -77,3 +79,130 @@ def test_bench_has_no_kernel_benchmarks(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["bench", "--kernels"])
     assert "unrecognized arguments: --kernels" in capsys.readouterr().err
+
+
+def _no_engine(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the engine was built for a command line that should be refused")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1"),
+        (["generate", "--max-tokens", "-1"], "argument --max-tokens: must be an integer >= 1"),
+        (["generate", "--max-tokens", "abc"], "argument --max-tokens: expected an integer"),
+        (["generate", "--max-tokens", "2.5"], "argument --max-tokens: expected an integer"),
+        (["generate", "--temperature", "-1"], "argument --temperature: must be a finite number"),
+        (["generate", "--temperature", "nan"], "argument --temperature: must be a finite number"),
+        (["generate", "--temperature", "inf"], "argument --temperature: must be a finite number"),
+        (["generate", "--temperature", "hot"], "argument --temperature: expected a number"),
+        (["generate", "--top-p", "0"], "argument --top-p: must be a number in (0, 1]"),
+        (["generate", "--top-p", "2"], "argument --top-p: must be a number in (0, 1]"),
+        (["generate", "--top-p", "nan"], "argument --top-p: must be a number in (0, 1]"),
+        (["generate", "--top-k", "0"], "argument --top-k: must be -1 (off) or an integer >= 1"),
+        (["generate", "--top-k", "-2"], "argument --top-k: must be -1 (off) or an integer >= 1"),
+        (["bench", "--num-requests", "0"], "argument --num-requests: must be an integer >= 1"),
+        (["bench", "--input-len", "0"], "argument --input-len: must be an integer >= 1"),
+        (["bench", "--output-len", "0"], "argument --output-len: must be an integer >= 1"),
+        (["check", "--device", "gpu0"], "argument --device: not a torch device: 'gpu0'"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("pagedmla.cli.LLM", _no_engine)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedmla ")
+    assert message in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"pagedmla {importlib.metadata.version('pagedmla')}\n"
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert pagedmla.__version__ == "unknown"
+
+
+def test_python_m_version() -> None:
+    done = _python_m_pagedmla("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"pagedmla {pagedmla.__version__}\n"
+
+
+def _prompts_of(path: Path) -> list[str]:
+    return build_parser().parse_args(["generate", "--prompts-file", str(path)]).prompts_file
+
+
+def test_prompts_file_drops_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(codecs.BOM_UTF8 + "héllo\r\n\r\nworld\rform\x0cfeed\u2028kept\n".encode())
+    assert _prompts_of(path) == ["héllo", "world", "form\x0cfeed\u2028kept"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"fine\nbad \xff byte\n", "{path} is not UTF-8 text: byte 0xff at offset 9"),
+        (codecs.BOM_UTF8 + b"\xe9t\xe9\n", "{path} is not UTF-8 text: byte 0xe9 at offset 3"),
+        ("UTF-16".encode("utf-16"), "{path} is not UTF-8 text: byte 0xff at offset 0"),
+        (None, "cannot read {path}: No such file or directory"),
+    ],
+)
+def test_unreadable_prompts_file_is_a_usage_error(
+    tmp_path: Path, data: bytes | None, message: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr("pagedmla.cli.LLM", _no_engine)
+    path = tmp_path / "prompts.txt"
+    if data is not None:
+        path.write_bytes(data)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompts-file", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedmla generate")
+    assert f"argument --prompts-file: {message.format(path=path)}" in err
+
+
+def _refused_by_engine(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The message of an input the engine refuses: printed without a traceback, status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedmla: error: ") and "Traceback" not in err
+    return err
+
+
+def test_engine_errors_are_printed_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere"
+    err = _refused_by_engine(["generate", "--device", "cpu", "--model", str(missing)], capsys)
+    assert str(missing) in err
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    err = _refused_by_engine(["bench", "--device", "cpu", "--model", str(tmp_path)], capsys)
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in err
+    # Refused by generate(), after the model is built.
+    err = _refused_by_engine(["generate", "--device", "cpu", "--max-model-len", "32",
+                              "--prompt", "x" * 40], capsys)
+    assert "max_model_len 32" in err
+
+
+def test_bugs_keep_their_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("pagedmla.cli.LLM", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "--device", "cpu"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,148 @@ def test_tokenizer_special_ids_from_tokenizer_config(tmp_path, tiny_dir):
     tok = load_tokenizer(tmp_path, {})
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     assert load_tokenizer(tmp_path, {"eos_token_id": [0, 2]}).eos_token_id == 0
+
+
+# Checkpoint faults: each error names the file (and the key or tensor).
+
+SHARD_1 = "model-00001-of-00002.safetensors"
+SHARD_2 = "model-00002-of-00002.safetensors"
+
+
+def _edit_shard(path: Path, edit) -> None:
+    """Apply `edit` to the tensors of the shard file `path` in place (same names)."""
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("keep", [8, 100, -1])
+@pytest.mark.parametrize("index", [True, False])
+def test_truncated_shard_is_named(tmp_path, keep, index):
+    directory = write_tiny_checkpoint(tmp_path)
+    if not index:
+        (directory / "model.safetensors.index.json").unlink()
+    shard = directory / SHARD_2
+    data = shard.read_bytes()
+    shard.write_bytes(data[:keep])  # keep the first bytes: header length, part of the header
+    match = rf"{re.escape(str(shard))} is not a complete safetensors file"
+    with pytest.raises(ValueError, match=match):
+        iter_checkpoint_tensors(directory)  # found from the headers, before any tensor is read
+    with pytest.raises(ValueError, match=match):
+        load_model(directory)
+
+
+def test_index_listing_a_tensor_its_shard_lacks(tmp_path):
+    directory = write_tiny_checkpoint(tmp_path)
+    tensors = load_file(directory / SHARD_1)
+    del tensors["model.embed_tokens.weight"]
+    save_file(tensors, str(directory / SHARD_1))
+    with pytest.raises(ValueError, match=rf"{SHARD_1} lacks 1 tensor.*model\.embed_tokens\.weight"):
+        load_model(directory)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"vocab_size": 259,', "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object, got list"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+    ],
+)
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json"])
+def test_broken_json_is_named(tmp_path, file, text, message):
+    directory = write_tiny_checkpoint(tmp_path)
+    path = directory / file
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} {message}"):
+        load_model(directory)
+
+
+def _without(key: str) -> dict:
+    config = tiny_config()
+    del config[key]
+    return config
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        (_without("hidden_size"), "missing required key 'hidden_size'"),
+        (_without("kv_lora_rank"), "missing required key 'kv_lora_rank'"),
+        ({**tiny_config(), "vocab_size": None}, "missing required key 'vocab_size'"),
+        ({**tiny_config(), "hidden_size": "128"}, "'hidden_size' must be an integer"),
+        ({**tiny_config(), "num_attention_heads": 4.5}, "'num_attention_heads' must be an int"),
+        ({**tiny_config(), "num_hidden_layers": 0}, "'num_hidden_layers' must be an integer >= 1"),
+        ({**tiny_config(), "q_lora_rank": True}, "'q_lora_rank' must be an integer"),
+        ({**tiny_config(), "n_group": "2"}, "'n_group' must be an integer"),
+        ({**tiny_config(), "rms_norm_eps": -1.0}, "'rms_norm_eps' must be a finite positive"),
+        ({**tiny_config(), "rope_theta": "1e4"}, "'rope_theta' must be a finite positive"),
+        ({**tiny_config(), "norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+        ({**tiny_config(), "eos_token_id": "2"}, "'eos_token_id' must be an integer"),
+        ({**tiny_config(), "eos_token_id": [2, "x"]}, "'eos_token_id' must be an integer"),
+        ({**tiny_config(), "architectures": "DeepseekV3ForCausalLM"}, "'architectures' must be"),
+        ({**tiny_config(), "rope_scaling": [4.0]}, "'rope_scaling' must be an object"),
+        (
+            {**tiny_config(), "rope_scaling": {**tiny_config()["rope_scaling"], "factor": "4"}},
+            "'rope_scaling.factor' must be a finite number",
+        ),
+        (
+            {**tiny_config(), "quantization_config": {"quant_method": "fp8",
+                                                      "weight_block_size": [128]}},
+            "'quantization_config.weight_block_size' must be two positive integers",
+        ),
+    ],
+)
+def test_bad_config_key_is_named(tmp_path, config, key):
+    directory = write_tiny_checkpoint(tmp_path)
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: .*{re.escape(key)}"):
+        load_model(directory)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_weight_is_refused_with_its_name_and_file(tmp_path, value):
+    directory = write_tiny_checkpoint(tmp_path)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    file = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+    def poison(tensors):
+        tensors[name][5, 7] = value
+
+    _edit_shard(directory / file, poison)
+    with pytest.raises(ValueError, match=rf"{re.escape(file)}: weight '{re.escape(name)}' has "
+                                         "NaN or inf"):
+        load_model(directory)
+
+
+def test_weight_that_overflows_the_model_dtype_is_refused(tmp_path):
+    directory = write_tiny_checkpoint(tmp_path)
+    name = "model.norm.weight"
+    _edit_shard(directory / SHARD_2, lambda t: t[name].fill_(1e5))  # > float16's 65504
+    load_model(directory)
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' has NaN or inf .*float16"):
+        load_model(directory, dtype=torch.float16)
+
+
+NAN_E4M3 = 0x7F  # s.1111.111: float8_e4m3fn has NaN codes and no infinity
+
+
+@pytest.mark.parametrize("where", ["code", "scale"])
+def test_non_finite_fp8_weight_is_refused(tmp_path, where):
+    directory = write_tiny_checkpoint(tmp_path, fp8=True)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    scale_name = name + "_scale_inv"
+
+    def poison(tensors):
+        if where == "code":
+            tensors[name].view(torch.uint8)[3, 4] = NAN_E4M3
+        else:
+            tensors[scale_name][0, 0] = math.inf
+
+    _edit_shard(directory / weight_map[name if where == "code" else scale_name], poison)
+    # The weight is named, with the file that holds it (its scale may be in the other shard).
+    with pytest.raises(ValueError, match=rf"{re.escape(weight_map[name])}: weight "
+                                         rf"'{re.escape(name)}' has NaN or inf"):
+        load_model(directory)

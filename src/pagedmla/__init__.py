@@ -32,4 +32,13 @@ def __getattr__(name: str) -> Any:
         from pagedmla import engine
 
         return getattr(engine, name)
+    if name == "__version__":
+        # The installed distribution's version (pyproject.toml's); "unknown" when the
+        # package runs from a source tree that was never installed.
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("pagedmla")
+        except PackageNotFoundError:
+            return "unknown"
     raise AttributeError(f"module 'pagedmla' has no attribute {name!r}")

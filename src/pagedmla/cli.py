@@ -2,18 +2,101 @@
 
 The engine flags of `generate` and `bench` are `EngineArgs`' fields
 (`EngineArgs.add_cli_args`), with its defaults.
+
+A flag value of the wrong form or range is an argparse error: the usage and
+`pagedmla ...: error: argument --flag: ...`, exit status 2. So is an input the engine
+refuses (its ValueError, TypeError or OSError: a missing or broken checkpoint, a prompt
+longer than the model allows), printed as `pagedmla: error: ...` without a traceback.
+Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+import pagedmla
 from pagedmla.engine import LLM, EngineArgs, SamplingParams
 from pagedmla.engine.args import DTYPES
+
+# Lines of a prompts file end at "\n", "\r\n" or "\r" (and nowhere else, unlike
+# str.splitlines, which would cut a prompt at a form feed or U+2028).
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _real(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _top_k(text: str) -> int:
+    value = _integer(text)
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (off) or an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _real(text)
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _real(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
+    return text
+
+
+def _prompt_lines(path: str) -> list[str]:
+    """The non-empty lines of the UTF-8 text file `path`, a byte order mark at its start
+    dropped (as the "utf-8-sig" codec does; decoded here as "utf-8" so that an error's
+    offset counts the file's bytes)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {err.strerror or err}") from err
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"{path} is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} "
+            f"({err.reason})"
+        ) from None
+    return [line for line in _LINE_END.split(text.removeprefix("\ufeff")) if line]
 
 
 def _throughput(tokens: int, seconds: float) -> str:
@@ -21,16 +104,14 @@ def _throughput(tokens: int, seconds: float) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line]
+    prompts = [*(args.prompt or []), *(args.prompts_file or [])]
     if not prompts:
         prompts = ["The paged latent cache", "Multi-head latent attention is"]
-    llm = LLM(EngineArgs.from_cli_args(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.seed if args.temperature > 0 else None,
     )
+    llm = LLM(EngineArgs.from_cli_args(args))
     outputs = llm.generate(prompts, params)
     for out in outputs:
         print(f"--- prompt: {out.prompt!r}")
@@ -78,31 +159,36 @@ def _check(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmla", description="Multi-head latent attention")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {pagedmla.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="complete prompts with an MLA model")
     EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", default=None, help="one prompt per line")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--prompts-file", type=_prompt_lines, default=None, metavar="FILE",
+                     help="a UTF-8 text file, one prompt per line (empty lines skipped)")
+    gen.add_argument("--max-tokens", type=_positive_int, default=32)
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="0 (the default) is greedy")
+    gen.add_argument("--top-p", type=_probability, default=1.0)
+    gen.add_argument("--top-k", type=_top_k, default=-1, help="-1 (the default) is off")
     gen.set_defaults(func=_generate)
 
     bench = commands.add_parser(
         "bench", help="synthetic serving benchmark (kernel benchmarks: python -m "
         "benchmarks.bench_kernels in the repository)")
     EngineArgs.add_cli_args(bench)
-    bench.add_argument("--num-requests", type=int, default=32)
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--num-requests", type=_positive_int, default=32)
+    bench.add_argument("--input-len", type=_positive_int, default=128,
+                       help="longest prompt; lengths are drawn from [input-len // 2, input-len]")
+    bench.add_argument("--output-len", type=_positive_int, default=32,
+                       help="most tokens per request, drawn like --input-len")
     bench.set_defaults(func=_bench)
 
     check = commands.add_parser(
         "check", help="run a mixed MLA step for DeepSeek shapes against the dense oracle"
     )
-    check.add_argument("--device", default=None, help="cpu (default) or cuda")
+    check.add_argument("--device", type=_device, default=None, help="cpu (default) or cuda")
     check.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     check.add_argument("--backend", default="auto")
     check.set_defaults(func=_check)
@@ -110,8 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
 if __name__ == "__main__":  # python -m pagedmla.cli (`python -m pagedmla` is __main__.py)

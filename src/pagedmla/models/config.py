@@ -7,6 +7,7 @@ and `rope_parameters` (what transformers 5 writes, with `rope_theta` inside it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,9 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 # V2 and V3 share field names but not router defaults: a transformers-5 V3 config has
 # no `topk_method`/`scoring_func` keys, because its router is always noaux_tc + sigmoid.
 _ROUTER_DEFAULTS = {"deepseek_v2": ("greedy", "softmax"), "deepseek_v3": ("noaux_tc", "sigmoid")}
+# The YaRN settings that models/rope.py and dims.py compute with.
+_YARN_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim", "attention_factor")
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,17 @@ class DeepseekConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeepseekConfig:
-        """Parse a config.json dict; ValueError for an unsupported architecture or option."""
-        architectures = tuple(d.get("architectures") or ())
+        """Parse a config.json dict.
+
+        ValueError for an unsupported architecture or option, a missing required key, or
+        a value of the wrong type or range, naming the key. Optional keys that are absent
+        or null take their defaults.
+        """
+        architectures = d.get("architectures") or []
+        if not isinstance(architectures, list | tuple) or not all(
+            isinstance(a, str) for a in architectures
+        ):
+            raise ValueError(f"'architectures' must be a list of strings, got {architectures!r}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -90,38 +103,38 @@ class DeepseekConfig:
         default_topk, default_scoring = _ROUTER_DEFAULTS[model_type]
         config = cls(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            kv_lora_rank=d["kv_lora_rank"],
-            qk_nope_head_dim=d["qk_nope_head_dim"],
-            qk_rope_head_dim=d["qk_rope_head_dim"],
-            v_head_dim=d["v_head_dim"],
-            q_lora_rank=d.get("q_lora_rank"),
-            moe_intermediate_size=d.get("moe_intermediate_size") or 0,
-            n_routed_experts=d.get("n_routed_experts") or 0,
-            n_shared_experts=d.get("n_shared_experts") or 0,
-            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
-            first_k_dense_replace=d.get("first_k_dense_replace") or 0,
-            moe_layer_freq=d.get("moe_layer_freq") or 1,
-            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            vocab_size=_required_int(d, "vocab_size"),
+            hidden_size=_required_int(d, "hidden_size"),
+            intermediate_size=_required_int(d, "intermediate_size"),
+            num_hidden_layers=_required_int(d, "num_hidden_layers"),
+            num_attention_heads=_required_int(d, "num_attention_heads"),
+            kv_lora_rank=_required_int(d, "kv_lora_rank"),
+            qk_nope_head_dim=_required_int(d, "qk_nope_head_dim"),
+            qk_rope_head_dim=_required_int(d, "qk_rope_head_dim", minimum=0),
+            v_head_dim=_required_int(d, "v_head_dim"),
+            q_lora_rank=_optional_int(d, "q_lora_rank", None),
+            moe_intermediate_size=_optional_int(d, "moe_intermediate_size", 0, minimum=0),
+            n_routed_experts=_optional_int(d, "n_routed_experts", 0, minimum=0),
+            n_shared_experts=_optional_int(d, "n_shared_experts", 0, minimum=0),
+            num_experts_per_tok=_optional_int(d, "num_experts_per_tok", 0, minimum=0),
+            first_k_dense_replace=_optional_int(d, "first_k_dense_replace", 0, minimum=0),
+            moe_layer_freq=_optional_int(d, "moe_layer_freq", 1),
+            routed_scaling_factor=_positive_number(d, "routed_scaling_factor", 1.0),
             topk_method=d.get("topk_method") or default_topk,
             scoring_func=d.get("scoring_func") or default_scoring,
-            n_group=d.get("n_group") or 1,
-            topk_group=d.get("topk_group") or 1,
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            n_group=_optional_int(d, "n_group", 1),
+            topk_group=_optional_int(d, "topk_group", 1),
+            norm_topk_prob=_flag(d, "norm_topk_prob", False),
+            rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             # DeepSeek's V2 code has no such switch: its checkpoints are always interleaved.
-            rope_interleave=bool(d.get("rope_interleave", True)),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            architectures=architectures,
+            rope_interleave=_flag(d, "rope_interleave", True),
+            max_position_embeddings=_optional_int(d, "max_position_embeddings", 4096),
+            tie_word_embeddings=_flag(d, "tie_word_embeddings", False),
+            bos_token_id=_optional_int(d, "bos_token_id", None, minimum=0),
+            eos_token_id=_eos_token_id(d),
+            architectures=tuple(architectures),
         )
         config._validate_moe()
         return config
@@ -184,13 +197,70 @@ class DeepseekConfig:
 
 def _rope_settings(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either `rope_scaling` or `rope_parameters`."""
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    params = d.get(key) or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{key!r} must be an object or null, got {params!r}")
+    params = dict(params)
+    theta = _positive_number(params, "rope_theta", None) or _positive_number(
+        d, "rope_theta", 10000.0
+    )
+    params.pop("rope_theta", None)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if kind == "default":
         return theta, None
     if kind != "yarn":
         raise ValueError(f"rope type {kind!r} is not supported (DeepSeek uses 'yarn' or none)")
+    for name in _YARN_NUMBERS:
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
+            raise ValueError(f"'{key}.{name}' must be a finite number, got {value!r}")
     params["rope_type"] = kind
     return theta, params
+
+
+def _required_int(d: Mapping[str, Any], key: str, minimum: int = 1) -> int:
+    if d.get(key) is None:
+        raise ValueError(f"missing required key {key!r}")
+    return _checked_int(key, d[key], minimum)
+
+
+def _optional_int(
+    d: Mapping[str, Any], key: str, default: int | None, minimum: int = 1
+) -> int | None:
+    value = d.get(key)
+    return default if value is None else _checked_int(key, value, minimum)
+
+
+def _checked_int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_number(d: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{key!r} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _eos_token_id(d: Mapping[str, Any]) -> int | list[int] | None:
+    """One id, a list of ids (any of which ends a sequence) or null."""
+    value = d.get("eos_token_id")
+    if isinstance(value, list):
+        return [_checked_int("eos_token_id", v, 0) for v in value]
+    return _optional_int(d, "eos_token_id", None, minimum=0)

@@ -273,7 +273,9 @@ class DeepseekForCausalLM(nn.Module):
         (`mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], the
         in-memory transformers-5 layout) fills the names of all per-expert tensors it
         stands for. Skips `rotary_emb.inv_freq` and layers past num_hidden_layers (e.g.
-        DeepSeek-V3's MTP layer). ValueError for an unknown name or a shape mismatch.
+        DeepSeek-V3's MTP layer). ValueError for an unknown name, a shape mismatch, or a
+        tensor with NaN or inf in the parameter's dtype (checked on the parameter's device,
+        one reduction per tensor).
         """
         targets = self.state_dict(keep_vars=True)
         whole = self._whole_tensors()
@@ -288,6 +290,8 @@ class DeepseekForCausalLM(nn.Module):
                     f"weight {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"
                 )
             dest.copy_(tensor)
+            if not torch.isfinite(dest).all():
+                raise ValueError(f"weight {name!r} has NaN or inf values (as {dest.dtype})")
             filled |= covered
         return filled
 
