@@ -318,6 +318,22 @@ def test_broken_json_is_named(tmp_path, file, text, message):
         load_model(directory)
 
 
+@pytest.mark.parametrize(
+    ("file", "text", "message"),
+    [
+        ("tokenizer_config.json", '{"eos_token": ', "is not valid JSON"),
+        ("tokenizer_config.json", '"<eos>"', "must hold a JSON object, got str"),
+        ("tokenizer.json", '{"model": 3}', "is not a tokenizers tokenizer"),
+    ],
+)
+def test_broken_tokenizer_files_are_named(tmp_path, file, text, message):
+    directory = write_tiny_checkpoint(tmp_path)
+    path = directory / file
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} {message}"):
+        load_model(directory)
+
+
 def _without(key: str) -> dict:
     config = tiny_config()
     del config[key]

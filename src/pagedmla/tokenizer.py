@@ -6,12 +6,13 @@ Both classes offer the small surface the engine needs (`encode`, `decode`,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import tokenizers
+
+from pagedmla.validation import read_json_object
 
 
 class TextTokenizer(Protocol):
@@ -126,9 +127,12 @@ def load_tokenizer(directory: str | Path, config: Mapping[str, Any]) -> FileToke
     path = directory / "tokenizer.json"
     if not path.is_file():
         return None
-    tok = tokenizers.Tokenizer.from_file(str(path))
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # the library raises a bare Exception for a broken file
+        raise ValueError(f"{path} is not a tokenizers tokenizer: {err}") from err
     tok_config_path = directory / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    tok_config = read_json_object(tok_config_path) if tok_config_path.is_file() else {}
 
     def special_id(kind: str) -> int | None:
         value = config.get(f"{kind}_token_id")

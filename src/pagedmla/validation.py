@@ -1,9 +1,12 @@
-"""Checks of user-given numbers shared by the public entry points."""
+"""Checks of user-given numbers and files shared by the public entry points."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+from pathlib import Path
+from typing import Any
 
 
 def positive_finite(name: str, value: float) -> float:
@@ -42,3 +45,15 @@ def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
     return value
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file `path`; ValueError naming the file if it is anything
+    else (not UTF-8, not JSON, or JSON but not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data

@@ -15,7 +15,6 @@ Shard headers are read before the model's memory is allocated.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM
 from pagedmla.models.tiny import tiny_config, tiny_weights
 from pagedmla.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
+from pagedmla.validation import read_json_object
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -75,17 +75,6 @@ def _open_shard(file: Path) -> Iterator[Any]:
         raise ValueError(f"{file} is not a complete safetensors file: {err}") from err
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; ValueError naming the file if it is anything else."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _tensor_files(directory: Path) -> dict[str, Path]:
     """Map every tensor name of the checkpoint to the file that holds it.
 
@@ -94,7 +83,7 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     """
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(f, str) for f in weight_map.values()
         ):
@@ -209,7 +198,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint directory {directory} has no config.json")
-    return _read_json(path)
+    return read_json_object(path)
 
 
 def _block_size(config: dict[str, Any], path: Path) -> tuple[int, int]:
