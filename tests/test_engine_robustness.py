@@ -250,6 +250,67 @@ def _valid_call(rng: random.Random) -> tuple[list[list[int]], list[SamplingParam
     return prompts, params
 
 
+def test_a_request_whose_logits_are_not_finite_fails_alone(engines) -> None:
+    """NaN logits for one request's third token: that request stops with finish reason
+    "error" after its two good tokens; the others go on as if it had not been there."""
+    llm, fresh = engines
+    prompts = _prompts(20, 37, 9)
+    want = _tokens(fresh.generate(prompts, GREEDY, use_tqdm=False))
+    target = prompts[1][:2]
+    launches = [0]
+    original = llm.runner.run
+
+    def run(batch, samples_before):
+        logits = original(batch, samples_before).clone()  # (an inference tensor)
+        sampled = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
+        for row, seq in enumerate(sampled):
+            if seq.token_ids[:2] == target:
+                launches[0] += 1
+                if launches[0] == 3:
+                    logits[row] = float("nan")
+        return logits
+
+    llm.runner.run = run
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        del llm.runner.run
+    failed = outs[1].outputs[0]
+    assert failed.finish_reason == "error"
+    assert failed.token_ids == want[1][:2]
+    assert "not finite" in failed.error and f"request {outs[1].request_id}" in failed.error
+    assert [out.outputs[0].finish_reason for out in (outs[0], outs[2])] == ["length"] * 2
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [want[0], want[2]]
+    assert outs[0].outputs[0].error is None
+    _assert_recovered(engines)
+
+
+def test_a_nan_weight_fails_every_request_and_samples_no_token(engines) -> None:
+    llm, _ = engines
+    weight = llm.model.state_dict()["lm_head.weight"]
+    saved = weight.clone()
+    weight.fill_(float("nan"))
+    try:
+        outs = llm.generate(_prompts(12, 5), GREEDY, use_tqdm=False)
+    finally:
+        weight.copy_(saved)
+    assert [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs] == [
+        ("error", []), ("error", [])]
+    _assert_recovered(engines)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7])
+def test_a_vanishing_temperature_is_greedy(engines, temperature: float) -> None:
+    llm, fresh = engines
+    prompts = _prompts(14, 30)
+    want = _tokens(fresh.generate(prompts, GREEDY, use_tqdm=False))
+    params = SamplingParams(temperature=temperature, max_tokens=5, ignore_eos=True, seed=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs) == want
+    assert {out.outputs[0].finish_reason for out in outs} == {"length"}
+    _assert_idle(llm)
+
+
 def test_soak_valid_invalid_failing_and_concurrent_calls() -> None:
     """Seeded random calls over one LLM with a cache small enough to preempt: valid
     ones, some from two threads at once, whose tokens must equal those of an LLM that

@@ -1,4 +1,5 @@
-"""Sampler: greedy, top-k, top-p, temperature, per-request seeds, logprobs."""
+"""Sampler: greedy, top-k, top-p, temperature, per-request seeds, logprobs, rows whose
+logits are not finite."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pagedmla.engine.sampler import sample
-from pagedmla.engine.sampling_params import SamplingParams
+from pagedmla.engine.sampler import draw, sample
+from pagedmla.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 NUM_DRAWS = 4000  # rows of one batch; frequency tolerances below are ~4 standard deviations
 
@@ -161,3 +162,37 @@ def test_rejects_mismatched_inputs() -> None:
         sample(torch.zeros(4), [SamplingParams()], [None])
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
         sample(torch.zeros(2, 4), [SamplingParams()], [None, None])
+
+
+def test_rows_whose_largest_logit_is_not_finite_are_flagged() -> None:
+    vocab = 11
+    logits = torch.randn(6, vocab)
+    logits[0, 3] = math.nan  # a NaN anywhere
+    logits[1, 7] = math.inf
+    logits[2] = -math.inf  # nothing to sample from
+    logits[3, :5] = -math.inf  # some tokens masked: still a distribution
+    logits[4, 2] = -math.nan
+    params = [SamplingParams(temperature=t, max_tokens=1) for t in (0.0, 0.0, 1.0, 1.0, 0.7, 0.0)]
+    drawn = draw(logits, params, [None] * 6)
+    token_ids, _, finite = drawn.result()
+    assert finite == [False, False, False, True, False, True]
+    assert token_ids[5] == int(logits[5].argmax())
+    assert 5 <= token_ids[3] < vocab  # sampled among the unmasked tokens
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_temperatures_below_the_greedy_threshold_are_greedy(temperature: float) -> None:
+    assert temperature < GREEDY_TEMPERATURE
+    logits = torch.randn(4, 50) * 30
+    params = [SamplingParams(temperature=temperature, max_tokens=1, seed=s) for s in range(4)]
+    token_ids, _, finite = draw(logits, params, [seeded(s) for s in range(4)]).result()
+    assert token_ids == logits.argmax(dim=-1).tolist()
+    assert all(finite)
+
+
+def test_the_greedy_threshold_itself_samples() -> None:
+    # Flat logits: a sampled row differs from argmax (token 0) almost surely over 64 rows.
+    logits = torch.zeros(64, 100)
+    params = [SamplingParams(temperature=GREEDY_TEMPERATURE, max_tokens=1)] * 64
+    token_ids, _, _ = draw(logits, params, [None] * 64).result()
+    assert any(token != 0 for token in token_ids)

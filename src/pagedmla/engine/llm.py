@@ -405,11 +405,13 @@ class LLM:
         """Wait for a launched step's samples and account for it; returns the sequences
         it finished."""
         batch = launched.batch
-        sampled: dict[int, tuple[int, dict[int, float]]] = {}
+        sampled: dict[int, tuple[int | None, dict[int, float]]] = {}
         if launched.drawn is not None:
-            token_ids, logprobs = launched.drawn.result()
-            for seq, token, lp in zip(launched.sampled, token_ids, logprobs, strict=True):
-                sampled[seq.seq_id] = (token, lp)
+            token_ids, logprobs, finite = launched.drawn.result()
+            for seq, token, lp, ok in zip(launched.sampled, token_ids, logprobs, finite,
+                                          strict=True):
+                # Logits that are not finite give no token: the request fails alone.
+                sampled[seq.seq_id] = (token, lp) if ok else (None, {})
         done = time.perf_counter()
         # Steps overlap: a step's time runs from the later of its launch and the end of
         # the step before, so that the steps' times add up to the wall time.
@@ -435,7 +437,8 @@ class LLM:
             request_id=seq.seq_id,
             prompt=text,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(out_ids, decoded, seq.output_logprobs, seq.finish_reason)],
+            outputs=[CompletionOutput(out_ids, decoded, seq.output_logprobs, seq.finish_reason,
+                                      seq.error)],
         )
 
 

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompletionOutput:
-    """One generated completion: token ids, decoded text, per-step logprobs."""
+    """One generated completion: token ids, decoded text, per-step logprobs, why it
+    stopped ("stop", "length", "abort", or "error" with `error` saying why: the tokens
+    before the failure are kept)."""
 
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]]
     finish_reason: str | None
+    error: str | None = None
 
 
 @dataclass

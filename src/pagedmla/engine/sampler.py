@@ -5,13 +5,17 @@ exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per vocabular
 entry picks token ``v`` with probability ``probs[v]``; the noise of a seeded row
 comes from that request's own generator, so its draw does not depend on which
 other requests share the batch.
+
+A row whose largest logit is not finite (a NaN anywhere, a +inf, or every logit -inf)
+has no distribution to sample from: it is flagged (``DrawnTokens.result``), and the
+engine fails that request instead of recording the index the reduction returned.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedmla.engine.sampling_params import SamplingParams
+from pagedmla.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 
 def sample(
@@ -42,16 +46,17 @@ class DrawnTokens:
 
     ``token_ids`` [B] int64 stays on the device, where the next step can read it
     before the host has seen it; ``result()`` waits for the host copies only.
+    ``finite`` [B] bool says which rows had a finite largest logit.
     """
 
     def __init__(
-        self, token_ids: torch.Tensor, top: tuple[torch.Tensor, ...] | None,
-        wanted: list[int | None],
+        self, token_ids: torch.Tensor, finite: torch.Tensor,
+        top: tuple[torch.Tensor, ...] | None, wanted: list[int | None],
     ) -> None:
         self.token_ids = token_ids
         self._wanted = wanted
         device = token_ids.device
-        tensors = (token_ids,) + (top or ())
+        tensors = (token_ids, finite) + (top or ())
         if device.type == "cuda":
             # Pinned copies that do not wait: a later .tolist() on the device tensors
             # would also wait for whatever the stream runs after this step.
@@ -68,21 +73,24 @@ class DrawnTokens:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def result(self) -> tuple[list[int], list[dict[int, float]]]:
-        """The token ids [B] and per-row logprob dicts (see ``sample``), on the host."""
+    def result(self) -> tuple[list[int], list[dict[int, float]], list[bool]]:
+        """On the host: the token ids [B], per-row logprob dicts (see ``sample``) and
+        whether each row's largest logit was finite (a row where it was not has no
+        meaningful token: the index the reduction returned)."""
         self.wait()
         token_ids = self._host[0].tolist()
+        finite = self._host[1].tolist()
         result: list[dict[int, float]] = [{} for _ in self._wanted]
-        if len(self._host) == 1:
-            return token_ids, result
-        top_values, top_ids, sampled = (t.tolist() for t in self._host[1:])
+        if len(self._host) == 2:
+            return token_ids, result, finite
+        top_values, top_ids, sampled = (t.tolist() for t in self._host[2:])
         for row, k in enumerate(self._wanted):
             if k is None:
                 continue
             entries = dict(zip(top_ids[row][:k], top_values[row][:k], strict=True))
             entries[token_ids[row]] = sampled[row]
             result[row] = entries
-        return token_ids, result
+        return token_ids, result, finite
 
 
 def draw(
@@ -100,15 +108,18 @@ def draw(
             f"{len(params)} params, {len(generators)} generators"
         )
     logits = logits.float()
-    token_ids = logits.argmax(dim=-1)  # greedy rows keep this
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    # max() rather than argmax(): the same first index of the largest logit (greedy rows
+    # keep it), and the largest logit itself, which is NaN wherever the row holds a NaN.
+    peak, token_ids = logits.max(dim=-1)
+    finite = torch.isfinite(peak)
+    random_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
         noise = _exponential_noise(probs, [generators[i] for i in random_rows])
         token_ids[rows] = (probs / noise).argmax(dim=-1)
     wanted = [p.logprobs for p in params]
-    return DrawnTokens(token_ids, _top_logprobs(logits, token_ids, wanted), wanted)
+    return DrawnTokens(token_ids, finite, _top_logprobs(logits, token_ids, wanted), wanted)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

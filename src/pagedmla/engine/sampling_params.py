@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 from pagedmla.validation import boolean, integer, real
 
+# Temperatures below this sample greedily (argmax): dividing float32 logits by a tinier
+# one overflows them to +-inf, and the softmax of such a row is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to sample one request's tokens and when to stop it.
 
     Attributes:
-        temperature: divides the logits before sampling; 0 means greedy (argmax).
+        temperature: divides the logits before sampling; 0 (or anything below
+            ``GREEDY_TEMPERATURE``, 1e-5) means greedy (argmax).
         top_p: nucleus sampling; keep the smallest set of most likely tokens whose
             probability adds up to at least ``top_p`` (1.0 keeps everything).
         top_k: keep only the ``top_k`` most likely tokens; -1 keeps everything.

@@ -373,13 +373,14 @@ class Scheduler:
         )
 
     def postprocess(
-        self, batch: ScheduledBatch, sampled: dict[int, tuple[int, dict[int, float]]]
+        self, batch: ScheduledBatch, sampled: dict[int, tuple[int | None, dict[int, float]]]
     ) -> list[Sequence]:
         """Account for a finished step and return the sequences it finished.
 
         ``sampled`` maps ``seq_id`` to ``(token_id, logprobs)`` for every entry with
         ``needs_sample``; other entries are ignored, as are the entries of an ``ahead``
-        step whose sequence finished in the step before.
+        step whose sequence finished in the step before. A token_id of None means the
+        entry's logits were not finite: its sequence fails (finish reason "error").
         """
         finished: list[Sequence] = []
         manager = self.block_manager
@@ -408,8 +409,13 @@ class Scheduler:
             if entry is None:
                 raise ValueError(f"sampled has no token for sequence {seq.seq_id}, which needs one")
             token_id, logprobs = entry
-            seq.append_token(token_id, logprobs)
-            seq.finish_reason = self._finish_reason(seq, token_id)
+            if token_id is None:
+                seq.finish_reason = "error"
+                seq.error = (f"request {seq.seq_id}: the logits for output token "
+                             f"{seq.num_output_tokens} are not finite (NaN or inf)")
+            else:
+                seq.append_token(token_id, logprobs)
+                seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 manager.free(seq)

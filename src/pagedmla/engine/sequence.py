@@ -38,6 +38,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed (finish_reason "error")
 
     @property
     def num_tokens(self) -> int:
