@@ -191,7 +191,8 @@ def merge_attn_states(
     """Combine two partial softmax results over disjoint key sets into `output`.
 
     outputs [T, N, D], lse [N, T]. An lse of -inf or +inf marks an empty partial
-    (output 0); two empties give (0, -inf). `output` may alias either input.
+    (output 0); two empties give (0, -inf). A NaN lse is not empty: it makes the row's
+    output and lse NaN. `output` may alias either input.
     """
     lse_p = prefix_lse.float().transpose(0, 1).unsqueeze(-1)  # [T, N, 1]
     lse_s = suffix_lse.float().transpose(0, 1).unsqueeze(-1)
@@ -210,6 +211,9 @@ def merge_attn_states(
     )
     merged = merged / denom
     merged_lse = torch.where(total > 0, safe_peak + torch.log(denom), neg_inf)
+    nan = torch.isnan(lse_p) | torch.isnan(lse_s)  # [T, N, 1]
+    merged = torch.where(nan, float("nan"), merged)
+    merged_lse = torch.where(nan, float("nan"), merged_lse)
     output.copy_(merged.to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(merged_lse.squeeze(-1).transpose(0, 1))
@@ -220,7 +224,8 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     [T, N, L] in dtype.
 
     As merge_attn_states for D inputs: an lse of -inf (or +inf) is an empty partial,
-    whose output is not read; rows where every partial is empty come out 0.
+    whose output is not read; rows where every partial is empty come out 0, rows with a
+    NaN lse NaN.
     """
     lse = torch.where(lse == float("inf"), float("-inf"), lse.float())
     peak = lse.amax(dim=0)
@@ -228,7 +233,9 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> 
     weights = torch.exp(lse - peak).unsqueeze(-1)  # [D, T, N, 1]; 0 for empty partials
     total = weights.sum(dim=0)
     merged = torch.where(weights > 0, out.float() * weights, 0.0).sum(dim=0)
-    return (merged / torch.where(total > 0, total, torch.ones_like(total))).to(dtype)
+    merged = merged / torch.where(total > 0, total, torch.ones_like(total))
+    nan = torch.isnan(lse).any(dim=0).unsqueeze(-1)  # [T, N, 1]
+    return torch.where(nan, float("nan"), merged).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

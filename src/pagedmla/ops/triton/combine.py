@@ -57,7 +57,7 @@ def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_beg
     its output columns `cols` and lse; nothing past the entry's q_len (nor for count 0).
     Splits are taken BLOCK_S at a time in one online pass, each chunk's lse and partials
     loaded together; a split with lse -inf or +inf (no visible key) was not written and
-    gets weight 0 (what was loaded for it is dropped)."""
+    gets weight 0 (what was loaded for it is dropped); a NaN lse makes the row NaN."""
     used = tl.where(t < q_len, count, 0)  # tokens past this request's q_len: nothing
     token = (q_begin + t).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
@@ -81,12 +81,17 @@ def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_beg
         acc = acc * rescale + tl.sum(tl.where((weight > 0.0)[:, None], weight[:, None] * part,
                                               0.0), 0)
         peak = new_peak
+    # A NaN lse makes its weight, so `total`, NaN (max() may skip it, a sum cannot): the
+    # row is NaN then, out and lse, not a merge of the other splits.
+    nan = total != total
     out = acc / tl.where(total > 0.0, total, 1.0)
+    out = tl.where(nan, float("nan"), out)
     # (Masks are built as one comparison: the interpreter mistypes scalar & tensor.)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + cols,
              out.to(out_ptr.dtype.element_ty), mask=cols < tl.where(t < q_len, L, 0))
     merged = tl.where(total > 0.0, peak + tl.log(tl.where(total > 0.0, total, 1.0)),
                       float("-inf"))
+    merged = tl.where(nan, float("nan"), merged)
     # Every column block writes the same lse value: a harmless duplicate store.
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
 

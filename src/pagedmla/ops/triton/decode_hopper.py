@@ -385,7 +385,8 @@ def _store_split(acc_a, acc_b, m_i, l_i, group, partial, splits, q_begin, num_ro
     runs before them, which does not pay for itself at N = 16."""
     HALF_L: gl.constexpr = acc_a.type.shape[0]
     BLOCK_H: gl.constexpr = acc_a.type.shape[1]
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     norm = 1.0 / gl.where(has_key, l_i, 1.0)
     lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # natural log

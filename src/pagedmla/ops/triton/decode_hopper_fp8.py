@@ -472,7 +472,8 @@ def _decode_fp8_kernel(
 
     gdc_launch_dependents()  # the combine may launch now; it waits for this grid
     # O and l are 2^P_EXP times theirs.
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     norm = kv_scale / gl.where(has_key, l_i, 1.0)
     lse = gl.where(has_key,
                    (m_i + gl.log2(gl.where(has_key, l_i, 1.0)) - P_EXP) * 0.6931471805599453,

@@ -416,7 +416,8 @@ def _decode_heads_kernel(
     gdc_launch_dependents()  # the combine may launch now; it waits for this grid
     m_i = m_smem.load(gl.SliceLayout(1, mma))
     l_i = l_smem.load(gl.SliceLayout(1, mma))
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     if IS_FP8:  # O and l are 2^(Q_EXP - RAW_EXP) and 2^Q_EXP times their values
         norm = 2.0 ** RAW_EXP / gl.where(has_key, l_i, 1.0) * kv_scale
     else:

@@ -429,7 +429,8 @@ def _decode_split(
         acc_a = tl.trans(acc_a)
         acc_b = tl.trans(acc_b)
 
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     norm = 1.0 / tl.where(has_key, l_i, 1.0)
     if IS_FP8:
         norm = norm * kv_scale

@@ -29,7 +29,8 @@ def _merge_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s) for one token."""
+    """out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s) for one token; a NaN
+    lse makes the head's output and lse NaN."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     head_ok = heads < num_heads
@@ -62,10 +63,15 @@ def _merge_kernel(
     tl.debug_barrier()
     merged = o_p.to(tl.float32) * (w_p / denom)[:, None] + o_s.to(tl.float32) * (
         w_s / denom)[:, None]
+    # A NaN lse is not an empty partial: it makes its weight, so `total`, NaN (whether
+    # max() skipped it, as on the GPU, or not, as in the interpreter), and the head NaN.
+    nan = total != total
+    merged = tl.where(nan[:, None], float("nan"), merged)
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :],
              merged.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & col_ok)
     if WRITE_LSE:
         merged_lse = tl.where(has_key, peak + tl.log(denom), float("-inf"))
+        merged_lse = tl.where(nan, float("nan"), merged_lse)
         tl.store(out_lse_ptr + h * stride_olh + t * stride_olt, merged_lse, mask=head_ok)
 
 
@@ -81,7 +87,7 @@ def merge_attn_states(
 
     prefix_output / suffix_output / output [T, N, D]; prefix_lse / suffix_lse /
     output_lse [N, T] float32, any strides. -inf or +inf lse = empty partial; two
-    empties give (0, -inf). `output` / `output_lse` may alias the inputs.
+    empties give (0, -inf); a NaN lse gives NaN. `output` / `output_lse` may alias the inputs.
     """
     check_device(prefix_output, output)
     num_tokens, num_heads, width = prefix_output.shape

@@ -255,7 +255,8 @@ def _consume(q_smem1, q_smem2, k_ring1, k_ring2, v_ring, q_ready, k_ready, v_rea
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(empty.index(last % STAGES), count=1)
 
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     norm = gl.convert_layout(1.0 / gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_layout))
     lse = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # natural log

@@ -238,7 +238,8 @@ def _varlen_attention_kernel(
             True, CAUSAL, PRECISION,
         )
 
-    has_key = l_i > 0.0
+    # No key: l = 0. A NaN l (a NaN input) is not "no key": it reaches out and lse.
+    has_key = l_i != 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     log_l = tl.math.log2(tl.where(has_key, l_i, 1.0))
     lse = tl.where(has_key, (m_i + log_l) * 0.6931471805599453, float("-inf"))  # natural log
