@@ -68,7 +68,8 @@ def _assert_nan_exactly_where(out: torch.Tensor, depends: torch.Tensor) -> None:
     want = depends[:, :, None].expand_as(nan)
     lost = sorted({(t, h) for t, h, _ in torch.nonzero(want & ~nan).tolist()})
     assert not lost, f"NaN lost in (token, head) {lost}"
-    stray = sorted({(t, h) for t, h, _ in torch.nonzero(~want & ~torch.isfinite(out.cpu())).tolist()})
+    bad = ~want & ~torch.isfinite(out.cpu())
+    stray = sorted({(t, h) for t, h, _ in torch.nonzero(bad).tolist()})
     assert not stray, f"NaN or inf in (token, head) {stray}, which do not depend on it"
 
 
