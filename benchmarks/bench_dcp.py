@@ -39,6 +39,7 @@ from pagedmla.distributed.dcp_layout import DCPLayout
 from pagedmla.distributed.dcp_metadata import DCPMetadataBuilder
 from pagedmla.distributed.state import ParallelState
 from pagedmla.distributed.tensor_parallel import parallelize
+from pagedmla.engine.memory import cache_block_bytes, workspace_bytes
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM
@@ -76,15 +77,12 @@ def random_model(config: dict, dtype: torch.dtype, device: torch.device) -> Deep
 def fitting_blocks(model: torch.nn.Module, builder: MLAMetadataBuilder, block_size: int,
                    dtype: torch.dtype, utilization: float, device: torch.device) -> int:
     """Cache blocks per rank that fit after the model and the workspace (LLM's rule)."""
-    d, layers = model.dims, model.config.num_hidden_layers
-    element = torch.empty((), dtype=dtype).element_size()
-    per_block = d.cache_width * element * block_size * layers
     if device.type != "cuda":
         return 4096
+    d = model.dims
+    per_block = cache_block_bytes(d, block_size, dtype, model.config.num_hidden_layers)
     free, total = torch.cuda.mem_get_info(device)
-    workspace = builder.workspace_rows * element * (
-        d.cache_width + d.num_heads * (d.qk_nope_head_dim + d.v_head_dim + d.qk_head_dim)
-    )
+    workspace = workspace_bytes(d, builder.workspace_rows, dtype)
     return int((free - (1.0 - utilization) * total - workspace) // per_block)
 
 

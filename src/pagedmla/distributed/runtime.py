@@ -1,8 +1,9 @@
 """ParallelRuntime: what a tensor / decode context parallel LLM adds to the engine.
 
 The LLM builds the same engine on every rank and asks the runtime for the parallel
-parts: the sharded model, the per-rank metadata builder, the step channel that the
-driver's runner sends each step over, and the agreed cache size. Rank 0 schedules and
+parts: how to shard the model (the loader's Sharder), the per-rank metadata builder,
+the step channel that the driver's runner sends each step over, and the agreed cache
+size. Rank 0 schedules and
 samples; the other ranks only run the model on the steps they receive. The runtime
 knows nothing of the engine: the engine hands it callables (the spawned workers' entry
 point, the step to run, the generate call).
@@ -31,14 +32,9 @@ from pagedmla.distributed.launch import (
     rank_device,
 )
 from pagedmla.distributed.state import ParallelState
-from pagedmla.distributed.tensor_parallel import (
-    TensorParallelLM,
-    check_heads_divisible,
-    parallelize,
-)
+from pagedmla.distributed.tensor_parallel import check_heads_divisible, shard_for
 from pagedmla.metadata import MLAMetadataBuilder
-from pagedmla.models.deepseek import DeepseekForCausalLM
-from pagedmla.models.loader import load_config
+from pagedmla.models.loader import Sharder, load_config
 
 _DEATH_WAIT_S = 2.0
 
@@ -115,11 +111,9 @@ class ParallelRuntime:
     def is_driver(self) -> bool:
         return self.state.is_driver
 
-    def parallelize(self, model: DeepseekForCausalLM) -> TensorParallelLM:
-        sharded = parallelize(model, self.state)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # return the full weights' memory before sizing the cache
-        return sharded
+    def sharder(self) -> Sharder:
+        """The loader's Sharder for this rank (`tensor_parallel.shard_for`)."""
+        return shard_for(self.state)
 
     def metadata_builder(self, dims: MLADims, block_size: int, **kwargs: Any) -> MLAMetadataBuilder:
         """The builder for this rank (kwargs as MLAMetadataBuilder's)."""

@@ -114,6 +114,12 @@ class ParallelState:
         """Wait for every rank (over gloo, so that a dead peer raises instead of hanging)."""
         dist.barrier(group=self.cpu_group)
 
+    def gather_objects(self, value: object) -> list[object]:
+        """Every rank's `value` (picklable), in rank order, over the host group."""
+        values: list[object] = [None] * self.tp_size
+        dist.all_gather_object(values, value, group=self.cpu_group)
+        return values
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. cache blocks that fit everywhere)."""
         x = torch.tensor([value], dtype=torch.int64)

@@ -1,6 +1,6 @@
-"""Tensor parallelism as a post-build step: shard a loaded single-GPU model in place.
+"""Tensor parallelism: this rank's share of a DeepseekForCausalLM, in place.
 
-Every rank loads the full weights, then `parallelize` keeps its share:
+`parallelize` keeps this rank's share of a model's tensors:
 
 * attention: heads [r * N / tp, (r + 1) * N / tp): q_proj / q_b_proj and kv_b_proj
   keep those heads' rows (column parallel), MLAAttention is rebuilt for N / tp heads,
@@ -14,7 +14,12 @@ Every rank loads the full weights, then `parallelize` keeps its share:
   logits).
 
 The ranges need not divide evenly (intermediate units, experts, vocabulary); only the
-heads must, since every rank runs the same attention shapes.
+heads must, since every rank runs the same attention shapes. Each share is a `Shard`
+of a whole-model tensor, recorded by its state_dict key (`TensorParallelLM.shards`).
+Run on a model built on the meta device (`shard_for`, the loader's `Sharder`), the same
+code gives the rank's module shapes and the shards the checkpoint loader reads, so a
+rank never holds the whole model; run on a loaded model (the built-in tiny one), it
+cuts the loaded tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from pagedmla.distributed.state import ParallelState
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekAttention, DeepseekForCausalLM
+from pagedmla.models.loader import Sharder
 from pagedmla.models.moe import DenseMLP, MoE
+from pagedmla.models.shards import RankShards, Shard
 
 
 def check_heads_divisible(config: DeepseekConfig, tensor_parallel_size: int) -> None:
@@ -54,14 +61,19 @@ class TensorParallelLM(nn.Module):
     """A DeepseekForCausalLM sharded over the TP group, with the engine's model interface:
     forward(input_ids [T], positions [T], caches, meta) -> hidden [T, H] (replicated),
     compute_logits(hidden [B, H]) -> [B, vocab] float32 (all-gathered), dims (this
-    rank's: N / tp heads) and config."""
+    rank's: N / tp heads) and config. `shards`: the part of each sharded tensor this
+    rank holds, by the whole model's state_dict key."""
 
-    def __init__(self, model: DeepseekForCausalLM, lm_head: ParallelLMHead, dims: MLADims):
+    def __init__(
+        self, model: DeepseekForCausalLM, lm_head: ParallelLMHead, dims: MLADims,
+        shards: dict[str, Shard],
+    ):
         super().__init__()
         self.model = model
         self.lm_head = lm_head
         self.dims = dims
         self.config = model.config
+        self.shards = shards
 
     def forward(
         self,
@@ -80,85 +92,119 @@ class TensorParallelLM(nn.Module):
         """The sharded layers' owner (`PiecewiseGraphs` runs them piece by piece)."""
         return self.model
 
+    def full_key(self, key: str) -> str:
+        """The whole model's state_dict key of this module's tensor `key`."""
+        if key == "lm_head.weight":
+            return "embed_tokens.weight" if self.config.tie_word_embeddings else key
+        return key.removeprefix("model.").replace(".mlp.moe.", ".mlp.")
 
-def _share(total: int, state: ParallelState) -> slice:
-    """This rank's contiguous, balanced part of range(total)."""
-    r, tp = state.tp_rank, state.tp_size
-    return slice(r * total // tp, (r + 1) * total // tp)
+    def rank_shards(self) -> RankShards:
+        """How this rank holds the whole model's tensors (for the checkpoint loader)."""
+        return RankShards(self.shards, {key: self.full_key(key) for key in self.state_dict()})
+
+
+class _Cut:
+    """This rank's contiguous, balanced parts of ranges, and the Shard taken of each
+    whole-model tensor (by state_dict key)."""
+
+    def __init__(self, state: ParallelState) -> None:
+        self.state = state
+        self.shards: dict[str, Shard] = {}
+
+    def share(self, total: int, unit: int = 1) -> slice:
+        """This rank's part of range(total), in `unit`s."""
+        r, tp = self.state.tp_rank, self.state.tp_size
+        return slice(r * total // tp * unit, (r + 1) * total // tp * unit)
+
+    def padded_share(self, total: int) -> slice:
+        """This rank's part of range(total) cut in tp equal parts, the last ones reaching
+        past total."""
+        size = -(-total // self.state.tp_size)
+        return slice(self.state.tp_rank * size, (self.state.tp_rank + 1) * size)
+
+    def take(self, key: str, weight: torch.Tensor, dim: int, part: slice) -> torch.Tensor:
+        """A new tensor holding `part` of `weight` (whole-model key `key`) along `dim`,
+        zero padded past its end."""
+        shard = self.shards[key] = Shard(dim, part.start, part.stop)
+        return shard.take(weight)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
-    """A bias-free nn.Linear owning a copy of `weight` (so the full tensor can be freed)."""
+    """A bias-free nn.Linear whose weight is `weight`."""
     layer = nn.utils.skip_init(
         nn.Linear, weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype,
-        device=weight.device,
+        device="meta",
     )
-    layer.weight.requires_grad_(False).copy_(weight)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
     return layer
 
 
-def _head_rows(weight: torch.Tensor, heads: slice, per_head: int) -> torch.Tensor:
-    return weight[heads.start * per_head : heads.stop * per_head]
-
-
-def _shard_attention(attn: DeepseekAttention, state: ParallelState) -> None:
+def _shard_attention(attn: DeepseekAttention, prefix: str, cut: _Cut) -> None:
     d = attn.dims
-    heads = _share(d.num_heads, state)  # an equal share: heads divide by tp
-    if d.q_lora_rank is None:
-        attn.q_proj = _linear(_head_rows(attn.q_proj.weight, heads, d.qk_head_dim))
-    else:
-        attn.q_b_proj = _linear(_head_rows(attn.q_b_proj.weight, heads, d.qk_head_dim))
-    kv_b = _head_rows(attn.kv_b_proj.weight, heads, d.qk_nope_head_dim + d.v_head_dim)
-    attn.kv_b_proj = _linear(kv_b)
-    columns = slice(heads.start * d.v_head_dim, heads.stop * d.v_head_dim)
-    attn.o_proj = RowParallelLinear(attn.o_proj.weight[:, columns].clone(), state)
+    heads = cut.share(d.num_heads)  # an equal share: heads divide by tp
+    q_name = "q_proj" if d.q_lora_rank is None else "q_b_proj"
+    q = getattr(attn, q_name).weight
+    rows = cut.share(d.num_heads, d.qk_head_dim)
+    setattr(attn, q_name, _linear(cut.take(f"{prefix}.{q_name}.weight", q, 0, rows)))
+    rows = cut.share(d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
+    attn.kv_b_proj = _linear(cut.take(f"{prefix}.kv_b_proj.weight", attn.kv_b_proj.weight, 0,
+                                      rows))
+    columns = cut.share(d.num_heads, d.v_head_dim)
+    o_proj = cut.take(f"{prefix}.o_proj.weight", attn.o_proj.weight, 1, columns)
+    attn.o_proj = RowParallelLinear(o_proj, cut.state)
     attn.dims = replace(d, num_heads=heads.stop - heads.start)
     old = attn.attn
     attn.attn = MLAAttention(attn.dims, old.softmax_scale, attn.kv_b_proj.weight, old.backend)
 
 
-def _shard_mlp(mlp: DenseMLP, state: ParallelState, reduce: bool) -> None:
-    units = _share(mlp.gate_proj.weight.shape[0], state)
-    mlp.gate_proj = _linear(mlp.gate_proj.weight[units])
-    mlp.up_proj = _linear(mlp.up_proj.weight[units])
-    down = mlp.down_proj.weight[:, units].clone()
-    mlp.down_proj = RowParallelLinear(down, state) if reduce else _linear(down)
+def _shard_mlp(mlp: DenseMLP, prefix: str, cut: _Cut, reduce: bool) -> None:
+    units = cut.share(mlp.gate_proj.weight.shape[0])
+    mlp.gate_proj = _linear(cut.take(f"{prefix}.gate_proj.weight", mlp.gate_proj.weight, 0,
+                                     units))
+    mlp.up_proj = _linear(cut.take(f"{prefix}.up_proj.weight", mlp.up_proj.weight, 0, units))
+    down = cut.take(f"{prefix}.down_proj.weight", mlp.down_proj.weight, 1, units)
+    mlp.down_proj = RowParallelLinear(down, cut.state) if reduce else _linear(down)
 
 
-def _shard_moe(moe: MoE, state: ParallelState) -> ParallelMoE:
-    experts = _share(moe.w13.shape[0], state)
-    moe.w13 = nn.Parameter(moe.w13[experts].clone(), requires_grad=False)
-    moe.w2 = nn.Parameter(moe.w2[experts].clone(), requires_grad=False)
-    if moe.shared_experts is not None:
-        _shard_mlp(moe.shared_experts, state, reduce=False)  # ParallelMoE reduces once
-    return ParallelMoE(moe, experts.start, state)
-
-
-def _vocab_shard(weight: torch.Tensor, state: ParallelState) -> tuple[torch.Tensor, int]:
-    """(rows [r * shard, (r + 1) * shard) of weight [vocab, H], zero padded; first id)."""
-    shard = -(-weight.shape[0] // state.tp_size)
-    first = state.tp_rank * shard
-    local = weight.new_zeros(shard, weight.shape[1])
-    rows = weight[first : first + shard]
-    local[: rows.shape[0]] = rows
-    return local, first
+def _shard_moe(moe: MoE, prefix: str, cut: _Cut) -> ParallelMoE:
+    experts = cut.share(moe.w13.shape[0])
+    moe.w13 = nn.Parameter(cut.take(f"{prefix}.w13", moe.w13, 0, experts), requires_grad=False)
+    moe.w2 = nn.Parameter(cut.take(f"{prefix}.w2", moe.w2, 0, experts), requires_grad=False)
+    if moe.shared_experts is not None:  # ParallelMoE reduces once
+        _shard_mlp(moe.shared_experts, f"{prefix}.shared_experts", cut, reduce=False)
+    return ParallelMoE(moe, experts.start, cut.state)
 
 
 @torch.no_grad()
 def parallelize(model: DeepseekForCausalLM, state: ParallelState) -> TensorParallelLM:
-    """Shard a loaded model (process_weights_after_loading done) for this TP rank."""
+    """Shard a model for this TP rank: a loaded one (process_weights_after_loading
+    done), or one on the meta device, whose shapes and shards the loader then fills."""
     config = model.config
     check_heads_divisible(config, state.tp_size)
-    for layer in model.layers:
-        _shard_attention(layer.self_attn, state)
+    cut = _Cut(state)
+    for i, layer in enumerate(model.layers):
+        _shard_attention(layer.self_attn, f"layers.{i}.self_attn", cut)
         if isinstance(layer.mlp, MoE):
-            layer.mlp = _shard_moe(layer.mlp, state)
+            layer.mlp = _shard_moe(layer.mlp, f"layers.{i}.mlp", cut)
         else:
-            _shard_mlp(layer.mlp, state, reduce=True)
-    embed_shard, first = _vocab_shard(model.embed_tokens.weight, state)
+            _shard_mlp(layer.mlp, f"layers.{i}.mlp", cut, reduce=True)
+    vocab = config.vocab_size
+    rows = cut.padded_share(vocab)
+    embed = cut.take("embed_tokens.weight", model.embed_tokens.weight, 0, rows)
     tied = model.lm_head is None
-    head_shard = embed_shard if tied else _vocab_shard(model.lm_head.weight, state)[0]
-    model.embed_tokens = VocabParallelEmbedding(embed_shard, first, state)
+    head = embed if tied else cut.take("lm_head.weight", model.lm_head.weight, 0, rows)
+    model.embed_tokens = VocabParallelEmbedding(embed, rows.start, state)
     model.lm_head = None  # the wrapper's ParallelLMHead replaces it
     dims = replace(model.dims, num_heads=config.num_attention_heads // state.tp_size)
-    return TensorParallelLM(model, ParallelLMHead(head_shard, config.vocab_size, state), dims)
+    lm_head = ParallelLMHead(head, vocab, state)
+    return TensorParallelLM(model, lm_head, dims, cut.shards)
+
+
+def shard_for(state: ParallelState) -> Sharder:
+    """The loader's Sharder for this rank: `parallelize` and the shards it took."""
+
+    def shard(model: DeepseekForCausalLM) -> tuple[TensorParallelLM, RankShards]:
+        sharded = parallelize(model, state)
+        return sharded, sharded.rank_shards()
+
+    return shard

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import numbers
 import threading
 import time
@@ -21,6 +22,7 @@ from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.decode_rows import decode_row_sizes
+from pagedmla.engine.memory import MemoryReport, cache_block_bytes, check_fits, workspace_bytes
 from pagedmla.engine.model_runner import DriverRunner, ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
@@ -29,7 +31,7 @@ from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
-from pagedmla.models.loader import load_model
+from pagedmla.models.loader import load_planned, plan_model
 from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
 from pagedmla.validation import integer
@@ -46,6 +48,8 @@ class LaunchedStep:
     tick: float  # when its launch began (perf_counter)
 
 
+logger = logging.getLogger(__name__)
+
 # Without a GPU memory budget to fill, the CPU cache holds this many tokens by default.
 _CPU_CACHE_TOKENS = 64 * 1024
 
@@ -59,6 +63,13 @@ class LLM:
     The KV cache holds `num_kv_blocks` blocks of `block_size` tokens per layer; when
     None it is sized from `gpu_memory_utilization` of the GPU's memory after the model
     and the chunked-prefill workspace are accounted for (on the CPU: 64Ki tokens).
+    The weights are planned before anything is allocated (`models.loader.plan_model`):
+    on CUDA, weights, workspace and the smallest cache (2 blocks, or num_kv_blocks)
+    that need more than gpu_memory_utilization of the free memory are a ValueError
+    saying how much is missing. `memory` (a `MemoryReport`) holds this rank's weights'
+    and cache's bytes, the cache's capacity in tokens and the load time;
+    `memory_per_rank` every rank's, which the driver logs (logger
+    `pagedmla.engine.llm`, level INFO).
 
     tensor_parallel_size > 1 shards the model over that many ranks (one per GPU, or
     CPU processes with gloo): started here as worker processes, or under torchrun,
@@ -110,11 +121,12 @@ class LLM:
         torch.manual_seed(args.seed)
         self.device = device
         self.dtype = dtype
-        self.model, self.config, self.tokenizer = load_model(args.model, dtype, device,
-                                                             args.backend)
-        if self.parallel is not None:
-            self.model = self.parallel.parallelize(self.model)
-        dims = self.model.dims
+        start = time.perf_counter()
+        # The plan knows the rank's weights before any is allocated (nothing is yet).
+        plan = plan_model(args.model, dtype, args.backend,
+                          None if self.parallel is None else self.parallel.sharder())
+        self.config, self.tokenizer = plan.config, plan.tokenizer
+        dims = plan.module.dims
         positions = self.config.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > positions:
             raise ValueError(
@@ -132,9 +144,18 @@ class LLM:
             else self.parallel.metadata_builder(dims, block_size, **sizes)
         )
         cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype)
+        block_bytes = cache_block_bytes(dims, block_size, cache_dtype,
+                                        self.config.num_hidden_layers)
+        workspace = workspace_bytes(dims, self.builder.workspace_rows, dtype)
+        if device.type == "cuda":
+            blocks = args.num_kv_blocks or 2  # the fewest _auto_num_blocks accepts
+            check_fits(device, *torch.cuda.mem_get_info(device), args.gpu_memory_utilization,
+                       plan.weight_bytes, workspace, blocks * block_bytes, blocks)
+        self.model = load_planned(plan, device)
+        load_seconds = time.perf_counter() - start
         num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = self._auto_num_blocks(block_size, cache_dtype,
+            num_kv_blocks = self._auto_num_blocks(block_size, block_bytes, workspace,
                                                   args.gpu_memory_utilization)
         if self.parallel is not None:
             num_kv_blocks = self.parallel.agree_num_blocks(num_kv_blocks)
@@ -149,6 +170,7 @@ class LLM:
             num_kv_blocks, block_size * args.decode_context_parallel_size,
             args.enable_prefix_caching,
         )
+        self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds)
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
@@ -171,6 +193,21 @@ class LLM:
         self.stats = EngineStats()
         if self.parallel is not None:
             self.parallel.ready()
+
+    def _report_memory(self, weight_bytes: int, cache_bytes: int, load_seconds: float) -> None:
+        """Set `memory` (this rank's MemoryReport) and `memory_per_rank` (every rank's,
+        gathered over the host group), and log the ranks' reports on the driver."""
+        manager = self.block_manager
+        rank = 0 if self.parallel is None else self.parallel.state.tp_rank
+        self.memory = MemoryReport(rank, weight_bytes, cache_bytes,
+                                   manager.num_usable_blocks * manager.block_size, load_seconds)
+        self.memory_per_rank = (
+            [self.memory] if self.parallel is None
+            else self.parallel.state.gather_objects(self.memory)
+        )
+        if rank == 0:
+            for report in self.memory_per_rank:
+                logger.info("%s", report)
 
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
         """Decode steps replay CUDA graphs when the kernels allow capture.
@@ -222,24 +259,15 @@ class LLM:
         self.close()
 
     def _auto_num_blocks(
-        self, block_size: int, cache_dtype: torch.dtype, utilization: float
+        self, block_size: int, block_bytes: int, workspace: int, utilization: float
     ) -> int:
-        dims = self.model.dims
-        per_block = (
-            LatentKVCache.bytes_per_token(dims.kv_lora_rank, dims.qk_rope_head_dim, cache_dtype)
-            * block_size * self.config.num_hidden_layers
-        )
+        """Cache blocks of `block_bytes` that fill gpu_memory_utilization of the GPU's
+        memory beside what is allocated and the `workspace` (on the CPU: 64Ki tokens)."""
         if self.device.type != "cuda":
             return max(2, _CPU_CACHE_TOKENS // block_size + 1)
         free, total = torch.cuda.mem_get_info(self.device)
-        element = torch.empty((), dtype=self.dtype).element_size()
-        # The context path holds the gathered rows and their up-projection at once.
-        workspace = self.builder.workspace_rows * element * (
-            dims.cache_width + dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
-            + dims.num_heads * dims.qk_head_dim
-        )
         budget = free - (1.0 - utilization) * total - workspace
-        blocks = int(budget // per_block)
+        blocks = int(budget // block_bytes)
         if blocks < 2:
             raise ValueError(
                 f"no room for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "

@@ -20,11 +20,10 @@ from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.moe import DenseMLP, MoE, empty_linear
 from pagedmla.models.rope import RotaryEmbedding
+from pagedmla.models.shards import Alternatives, Piece
 from pagedmla.ops.registry import get_backend
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_FUSED_EXPERTS = re.compile(r"model\.(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)")
 _STACKED = (".mlp.w13", ".mlp.w2")  # our stacked expert tensors: not checkpoint names
 _W13_PARTS = ("gate_proj", "up_proj")  # w13 rows: gate first, then up
 
@@ -242,28 +241,44 @@ class DeepseekForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return nn.functional.linear(hidden, head.weight).float()
 
-    def _whole_tensors(self) -> dict[str, str]:
-        """Checkpoint name -> state_dict key, for every tensor not stacked over experts."""
-        return {
-            key if key == "lm_head.weight" else f"model.{key}": key
-            for key in self.state_dict()
-            if not key.endswith(_STACKED)
-        }
-
-    def _expert_names(self, mlp: str, projs: tuple[str, ...]) -> set[str]:
-        """Per-expert checkpoint names of the MoE at state_dict prefix `mlp`."""
-        E = self.config.n_routed_experts
-        return {f"model.{mlp}.experts.{e}.{p}.weight" for e in range(E) for p in projs}
+    def checkpoint_sources(self) -> dict[str, Alternatives]:
+        """For each state_dict key, the checkpoint tensors that fill it (`Alternatives`:
+        the per-expert names first, transformers' fused expert tensor second; for a tied
+        embedding, `lm_head.weight` second)."""
+        c = self.config
+        inter = c.moe_intermediate_size
+        sources: dict[str, Alternatives] = {}
+        for key, tensor in self.state_dict(keep_vars=True).items():
+            shape = tuple(tensor.shape)
+            if key.endswith(_STACKED):
+                mlp, _, stacked = key.rpartition(".")
+                E = shape[0]
+                if stacked == "w13":
+                    per_expert = tuple(
+                        Piece(f"model.{mlp}.experts.{e}.{part}.weight", (inter, shape[2]),
+                              (e,), (k * inter, 0))
+                        for e in range(E) for k, part in enumerate(_W13_PARTS)
+                    )
+                    fused = f"model.{mlp}.experts.gate_up_proj"
+                else:
+                    per_expert = tuple(
+                        Piece(f"model.{mlp}.experts.{e}.down_proj.weight", shape[1:], (e,))
+                        for e in range(E)
+                    )
+                    fused = f"model.{mlp}.experts.down_proj"
+                sources[key] = (per_expert, (Piece(fused, shape),))
+                continue
+            name = key if key == "lm_head.weight" else f"model.{key}"
+            sources[key] = ((Piece(name, shape),),)
+            if key == "embed_tokens.weight" and self.lm_head is None:
+                sources[key] += ((Piece("lm_head.weight", shape),),)  # tied: either name
+        return sources
 
     def expected_weight_names(self) -> set[str]:
         """Checkpoint names load_weights must see, with experts as per-expert tensors."""
-        names = set(self._whole_tensors())
-        for key in self.state_dict():
-            if key.endswith(".w13"):
-                names |= self._expert_names(key.removesuffix(".w13"), _W13_PARTS)
-            elif key.endswith(".w2"):
-                names |= self._expert_names(key.removesuffix(".w2"), ("down_proj",))
-        return names
+        return {
+            piece.name for first, *_ in self.checkpoint_sources().values() for piece in first
+        }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -272,19 +287,21 @@ class DeepseekForCausalLM(nn.Module):
         The result uses expected_weight_names' spelling: a fused expert tensor
         (`mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], the
         in-memory transformers-5 layout) fills the names of all per-expert tensors it
-        stands for. Skips `rotary_emb.inv_freq` and layers past num_hidden_layers (e.g.
-        DeepSeek-V3's MTP layer). ValueError for an unknown name, a shape mismatch, or a
-        tensor with NaN or inf in the parameter's dtype (checked on the parameter's device,
-        one reduction per tensor).
+        stands for. Skips `ignored_weight` names (`rotary_emb.inv_freq`, layers past
+        num_hidden_layers such as DeepSeek-V3's MTP layer). ValueError for an unknown
+        name, a shape mismatch, or a tensor with NaN or inf in the parameter's dtype
+        (checked on the parameter's device, one reduction per tensor).
         """
         targets = self.state_dict(keep_vars=True)
-        whole = self._whole_tensors()
+        index = weight_index(self.checkpoint_sources())
         filled: set[str] = set()
         for name, tensor in weights:
-            resolved = self._resolve(name, targets, whole)
-            if resolved is None:
+            if ignored_weight(name, self.config.num_hidden_layers):
                 continue
-            dest, covered = resolved
+            if name not in index:
+                raise ValueError(f"unknown weight {name!r}: the model has no tensor of that name")
+            key, piece, covered = index[name]
+            dest = targets[key][piece.region()]
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"
@@ -295,36 +312,37 @@ class DeepseekForCausalLM(nn.Module):
             filled |= covered
         return filled
 
-    def _resolve(
-        self, name: str, targets: dict[str, torch.Tensor], whole: dict[str, str]
-    ) -> tuple[torch.Tensor, set[str]] | None:
-        """(destination tensor or view, expected names it fills), or None to skip."""
-        layer = _LAYER.match(name)
-        if name.endswith("rotary_emb.inv_freq") or (
-            layer and int(layer[1]) >= self.config.num_hidden_layers
-        ):
-            return None
-        if name == "lm_head.weight" and self.lm_head is None:
-            name = "model.embed_tokens.weight"  # tied: the head is the embedding
-        if name in whole:
-            return targets[whole[name]], {name}
-        expert = _EXPERT.fullmatch(name)
-        E, inter = self.config.n_routed_experts, self.config.moe_intermediate_size
-        if expert and f"{expert[1]}.w13" in targets and int(expert[2]) < E:
-            mlp, e = expert[1], int(expert[2])
-            if expert[3] == "down":
-                return targets[f"{mlp}.w2"][e], {name}
-            rows = slice(0, inter) if expert[3] == "gate" else slice(inter, 2 * inter)
-            return targets[f"{mlp}.w13"][e, rows], {name}
-        fused = _FUSED_EXPERTS.fullmatch(name)
-        if fused and f"{fused[1]}.w13" in targets:
-            mlp = fused[1]
-            if fused[2] == "down_proj":
-                return targets[f"{mlp}.w2"], self._expert_names(mlp, ("down_proj",))
-            return targets[f"{mlp}.w13"], self._expert_names(mlp, _W13_PARTS)
-        raise ValueError(f"unknown weight {name!r}: the model has no tensor of that name")
+    def derived_weights(self) -> list[torch.Tensor]:
+        """The tensors process_weights_after_loading derives and keeps beside the loaded
+        ones: each layer's W_UK and W_UV, but those that are views of kv_b_proj (W_UK,
+        with one head) and take no memory of their own."""
+        derived = (t for layer in self.layers
+                   for t in (layer.self_attn.attn.W_UK, layer.self_attn.attn.W_UV))
+        return [t for t in derived if t._base is None]
 
     def process_weights_after_loading(self) -> None:
         """Derive what MLAAttention precomputes (W_UK, W_UV) from the loaded kv_b_proj."""
         for layer in self.layers:
             layer.self_attn.attn.set_kv_b_proj(layer.self_attn.kv_b_proj.weight)
+
+
+def ignored_weight(name: str, num_layers: int) -> bool:
+    """Checkpoint tensors that next-token inference does not use: `rotary_emb.inv_freq`
+    and layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layers)."""
+    layer = _LAYER.match(name)
+    past_last = layer is not None and int(layer[1]) >= num_layers
+    return past_last or name.endswith("rotary_emb.inv_freq")
+
+
+def weight_index(sources: dict[str, Alternatives]) -> dict[str, tuple[str, Piece, set[str]]]:
+    """Checkpoint name -> (state_dict key, its piece, the expected names it fills): a
+    piece of a later alternative stands for all of the first alternative's names."""
+    index: dict[str, tuple[str, Piece, set[str]]] = {}
+    for key, (first, *others) in sources.items():
+        for piece in first:
+            index[piece.name] = (key, piece, {piece.name})
+        expected = {piece.name for piece in first}
+        for alternative in others:
+            for piece in alternative:
+                index[piece.name] = (key, piece, expected)
+    return index

@@ -1,273 +1,114 @@
-"""Hugging Face checkpoint directories -> DeepseekForCausalLM, config and tokenizer.
+"""Plan, then load, a model: "tiny" (built in) or a Hugging Face checkpoint directory.
 
-A directory holds config.json and either `model.safetensors`, shards listed by
-`model.safetensors.index.json`, or loose `*.safetensors` files. Tensors stream one
-shard at a time. DeepSeek's fp8 block-quantized weights (`X.weight` in float8_e4m3fn
-with a float32 `X.weight_scale_inv`, one scale per 128x128 block) are dequantized
-here, so the model only ever sees plain weights and never a `*_scale_inv` tensor.
+`plan_model` reads config.json, the tokenizer and the shards' headers
+(`models/checkpoint.py`) and builds the model on the `meta` device, where nothing is
+allocated. Under tensor parallelism a `Sharder` (the distributed layer's `parallelize`)
+turns that model into the rank's and says which part of each tensor the rank keeps
+(`RankShards`). The plan then knows every tensor the rank will hold: its shape and
+dtype, and the checkpoint tensors and slices that fill it, hence the bytes the rank's
+weights take (`ModelPlan.weight_bytes`), all before anything is allocated.
+`load_planned` allocates the rank's tensors on the device, reads only their slices from
+the shards, shard by shard, and derives what `process_weights_after_loading` derives.
+A rank never holds a tensor of the whole model. The built-in tiny model is made in
+memory: loaded whole with `load_weights`, then sharded.
 
 A faulty checkpoint is a ValueError naming the file: JSON that does not parse, a
 config.json key missing or of the wrong type (named too), a shard that is truncated or
-lacks a tensor its index lists, and a tensor that does not fit the model or holds NaN
-or inf (`DeepseekForCausalLM.load_weights` checks each weight as it is copied).
-Shard headers are read before the model's memory is allocated.
+lacks a tensor its index lists, a tensor the model lacks, does not have or that has
+another shape (all found from the headers, before the model's memory is allocated), and
+a weight that holds NaN or inf in the model's dtype (checked on the device as it is
+copied, fp8 ones once dequantized).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm import tqdm
 
+from pagedmla.models.checkpoint import (
+    Checkpoint,
+    block_size_of,
+    dequantize_fp8_blocks,
+    iter_checkpoint_tensors,
+    names_shown,
+    read_config,
+)
 from pagedmla.models.config import DeepseekConfig
-from pagedmla.models.deepseek import DeepseekForCausalLM
+from pagedmla.models.deepseek import DeepseekForCausalLM, ignored_weight, weight_index
+from pagedmla.models.shards import Alternatives, Index, Piece, RankShards, Shard
 from pagedmla.models.tiny import tiny_config, tiny_weights
 from pagedmla.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
-from pagedmla.validation import read_json_object
 
-SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-DEFAULT_BLOCK_SIZE = (128, 128)
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-_MAX_NAMES_SHOWN = 10
+__all__ = [
+    "ModelPlan",
+    "Sharder",
+    "TensorSource",
+    "dequantize_fp8_blocks",
+    "iter_checkpoint_tensors",
+    "load_config",
+    "load_model",
+    "load_planned",
+    "plan_model",
+]
+
+# The whole model (on the meta device) -> this rank's module and how it holds the
+# model's tensors (`pagedmla.distributed.tensor_parallel.shard_for`).
+Sharder = Callable[[DeepseekForCausalLM], tuple[nn.Module, RankShards]]
 
 
-def dequantize_fp8_blocks(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """weight.float() * scale_inv, each scale covering one block_size block of `weight`.
+@dataclass(frozen=True)
+class TensorSource:
+    """One of a rank's tensors: its shape and dtype, its part of the model tensor (None:
+    whole; `pads`: reaching past the end, zeros there) and the checkpoint tensors that
+    fill the model tensor."""
 
-    weight [out, in] (fp8); scale_inv [ceil(out/bo), ceil(in/bi)]; blocks at the
-    bottom and right edges may be partial. The product is formed in float32, then
-    cast to `dtype`.
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shard: Shard | None
+    pieces: tuple[Piece, ...]
+    pads: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class ModelPlan:
+    """Everything about a rank's model but its weights' values.
+
+    module: the rank's model on the meta device (`load_planned` fills it in place, so a
+    plan loads once); sources: the model tensors the rank holds, by the whole model's
+    state_dict key; targets: the rank module's state_dict key -> that key;
+    derived_bytes: what process_weights_after_loading adds (W_UK, W_UV); checkpoint:
+    None for the built-in tiny model.
     """
-    rows, cols = weight.shape
-    bo, bi = block_size
-    grid = (math.ceil(rows / bo), math.ceil(cols / bi))
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(
-            f"weight_scale_inv for a {rows}x{cols} weight with {bo}x{bi} blocks must have "
-            f"shape {grid}, got {tuple(scale_inv.shape)}"
-        )
-    scale = scale_inv.float().repeat_interleave(bo, dim=0)[:rows]
-    scale = scale.repeat_interleave(bi, dim=1)[:, :cols]
-    return (weight.float() * scale).to(dtype)
 
+    model: str
+    config: DeepseekConfig
+    config_dict: dict[str, Any]
+    tokenizer: TextTokenizer | None
+    dtype: torch.dtype
+    backend: str
+    module: nn.Module
+    sources: dict[str, TensorSource]
+    targets: dict[str, str]
+    derived_bytes: int
+    shard: Sharder | None
+    checkpoint: Checkpoint | None
 
-@contextmanager
-def _open_shard(file: Path) -> Iterator[Any]:
-    """safe_open(file), its errors (a truncated or corrupt file) as ValueErrors naming it."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
-    except SafetensorError as err:
-        raise ValueError(f"{file} is not a complete safetensors file: {err}") from err
-
-
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    """Map every tensor name of the checkpoint to the file that holds it.
-
-    Every shard's header is read, so a truncated shard or one that lacks a tensor its
-    index lists is found here.
-    """
-    index_path = directory / "model.safetensors.index.json"
-    if index_path.is_file():
-        weight_map = read_json_object(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(f, str) for f in weight_map.values()
-        ):
-            raise ValueError(f"{index_path}: 'weight_map' must map tensor names to file names")
-        listed: dict[str, set[str]] = {}
-        for name, file in weight_map.items():
-            listed.setdefault(file, set()).add(name)
-        missing = sorted(f for f in listed if not (directory / f).is_file())
-        if missing:
-            raise FileNotFoundError(f"{index_path} lists shard files not present: {missing}")
-        for file in sorted(listed):
-            with _open_shard(directory / file) as f:
-                absent = sorted(listed[file] - set(f.keys()))
-            if absent:
-                raise ValueError(
-                    f"{directory / file} lacks {len(absent)} tensor(s) that {index_path.name} "
-                    f"lists: {_names(absent)}"
-                )
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / "model.safetensors"
-    files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {directory}")
-    names: dict[str, Path] = {}
-    for file in files:
-        with _open_shard(file) as f:  # reads the header only
-            names.update(dict.fromkeys(f.keys(), file))
-    return names
-
-
-def _names(names: Sequence[str]) -> str:
-    """The first names of a list, and how many more there are."""
-    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
-    more = len(names) - _MAX_NAMES_SHOWN
-    return f"{shown}, ... ({more} more)" if more > 0 else shown
-
-
-def iter_checkpoint_tensors(
-    directory: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype = torch.float32,
-    block_size: Sequence[int] | None = None,
-    keep: Callable[[str], bool] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) of a checkpoint directory, one shard at a time.
-
-    fp8 weights with a `_scale_inv` companion (found in any shard) are dequantized
-    to `dtype`; other tensors come as stored. `block_size` defaults to config.json's
-    `quantization_config.weight_block_size`, else 128x128. Names for which `keep`
-    returns False are neither read nor yielded. The directory is checked (files
-    present, shard headers complete, every scale paired with a weight) before this
-    returns, not on first use.
-    """
-    return _checkpoint_tensors(Path(directory), dtype, block_size, keep)[1]
-
-
-def _checkpoint_tensors(
-    directory: Path,
-    dtype: torch.dtype,
-    block_size: Sequence[int] | None,
-    keep: Callable[[str], bool] | None,
-) -> tuple[dict[str, Path], Iterator[tuple[str, torch.Tensor]]]:
-    """iter_checkpoint_tensors' stream, with the file of every tensor name."""
-    if block_size is None:
-        block_size = _block_size(_read_config(directory), directory / "config.json")
-    files = _tensor_files(directory)
-    for scale_name in (n for n in files if n.endswith(SCALE_SUFFIX)):
-        if scale_name.removesuffix(SCALE_SUFFIX) not in files:
-            raise ValueError(
-                f"{files[scale_name]}: {scale_name} has no weight "
-                f"{scale_name.removesuffix(SCALE_SUFFIX)}"
-            )
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        if not name.endswith(SCALE_SUFFIX) and (keep is None or keep(name)):
-            by_file.setdefault(file, []).append(name)
-    return files, _stream(by_file, files, tuple(block_size), dtype)
-
-
-def _stream(
-    by_file: dict[Path, list[str]],
-    files: dict[str, Path],
-    block_size: tuple[int, int],
-    dtype: torch.dtype,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read the names of `by_file` shard by shard, dequantizing fp8 weights."""
-    for file in tqdm(sorted(by_file), desc="Loading checkpoint shards", unit="shard"):
-        with _open_shard(file) as f:
-            for name in by_file[file]:
-                tensor = f.get_tensor(name)
-                scale_name = name + SCALE_SUFFIX
-                if scale_name in files:
-                    if tensor.dtype not in FP8_DTYPES:
-                        raise ValueError(
-                            f"{file}: {name} has {scale_name} but dtype {tensor.dtype}"
-                        )
-                    if files[scale_name] == file:
-                        scale_inv = f.get_tensor(scale_name)
-                    else:
-                        with _open_shard(files[scale_name]) as g:
-                            scale_inv = g.get_tensor(scale_name)
-                    try:
-                        tensor = dequantize_fp8_blocks(tensor, scale_inv, block_size, dtype)
-                    except ValueError as err:
-                        raise ValueError(f"{file}: {name}: {err}") from err
-                elif tensor.dtype in FP8_DTYPES:
-                    raise ValueError(f"{file}: {name} is {tensor.dtype} but has no {scale_name}")
-                yield name, tensor
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint directory {directory} has no config.json")
-    return read_json_object(path)
-
-
-def _block_size(config: dict[str, Any], path: Path) -> tuple[int, int]:
-    """fp8 block shape from `quantization_config` of `path` (the config.json); other
-    quantization schemes are refused."""
-    quant = config.get("quantization_config")
-    if quant is None:
-        return DEFAULT_BLOCK_SIZE
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"{path}: unsupported quantization_config.quant_method {method!r}; "
-            "only DeepSeek's block fp8 ('fp8') is supported"
-        )
-    block = quant.get("weight_block_size", list(DEFAULT_BLOCK_SIZE))
-    if not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ValueError(
-            f"{path}: 'quantization_config.weight_block_size' must be two positive integers, "
-            f"got {block!r}"
-        )
-    return block[0], block[1]
-
-
-def _is_model_layer(config: dict[str, Any]) -> Callable[[str], bool]:
-    """False for layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction
-    layers, which next-token inference does not use (so they are not even read)."""
-    num_layers = config["num_hidden_layers"]
-
-    def keep(name: str) -> bool:
-        match = _LAYER_INDEX.match(name)
-        return match is None or int(match.group(1)) < num_layers
-
-    return keep
-
-
-def _load_weights(
-    model: DeepseekForCausalLM,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    source: str,
-    files: dict[str, Path] | None = None,
-) -> None:
-    """Feed `weights` to the model and require every tensor it expects.
-
-    A tensor the model refuses (shape, NaN or inf) is named with its file from `files`.
-    """
-    copying: list[str] = []  # the name the model holds while it copies that tensor
-
-    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            copying.append(name)
-            yield name, tensor
-            copying.pop()
-
-    try:
-        provided = model.load_weights(tracked())
-    except ValueError as err:
-        if copying and files is not None and copying[-1] in files:
-            raise ValueError(f"{files[copying[-1]]}: {err}") from err
-        raise
-    missing = sorted(model.expected_weight_names() - set(provided))
-    if missing:
-        raise ValueError(
-            f"{source} lacks {len(missing)} tensor(s) the model needs: {_names(missing)}"
-        )
-    model.process_weights_after_loading()
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the rank's weights once loaded, derived ones included."""
+        return sum(s.nbytes for s in self.sources.values()) + self.derived_bytes
 
 
 def _config_dict(model: str | os.PathLike[str]) -> dict[str, Any]:
@@ -279,7 +120,7 @@ def _config_dict(model: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileNotFoundError(
             f"model must be 'tiny' or a checkpoint directory; {str(model)!r} is neither"
         )
-    return _read_config(directory)
+    return read_config(directory)
 
 
 def _parse_config(model: str | os.PathLike[str], config_dict: dict[str, Any]) -> DeepseekConfig:
@@ -295,29 +136,157 @@ def load_config(model: str | os.PathLike[str]) -> DeepseekConfig:
     return _parse_config(model, _config_dict(model))
 
 
+def _decoder(module: nn.Module) -> DeepseekForCausalLM:
+    """The DeepseekForCausalLM that owns a (maybe sharded) model's layers."""
+    decoder = module.decoder
+    assert isinstance(decoder, DeepseekForCausalLM)
+    return decoder
+
+
+def plan_model(
+    model: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+    shard: Sharder | None = None,
+) -> ModelPlan:
+    """The plan of loading `model` ("tiny" or a checkpoint directory) in `dtype`, sharded
+    by `shard` (None: whole). Reads config.json, the tokenizer and the shards' headers;
+    allocates nothing."""
+    config_dict = _config_dict(model)
+    config = _parse_config(model, config_dict)
+    checkpoint = None
+    tokenizer: TextTokenizer | None = ByteTokenizer()
+    if str(model) != "tiny":
+        directory = Path(model)
+        checkpoint = Checkpoint(directory, block_size_of(config_dict, directory / "config.json"))
+        tokenizer = load_tokenizer(directory, config_dict)
+    whole = DeepseekForCausalLM(config, dtype, "meta", backend)
+    full = {key: (tuple(t.shape), t.dtype) for key, t in whole.state_dict().items()}
+    alternatives = whole.checkpoint_sources()
+    if checkpoint is None:
+        pieces = {key: alts[0] for key, alts in alternatives.items()}
+    else:
+        pieces = _chosen_pieces(str(model), checkpoint, alternatives, config.num_hidden_layers)
+    module, rank = (whole, RankShards({}, {k: k for k in full})) if shard is None else shard(whole)
+    decoder = _decoder(module)
+    decoder.process_weights_after_loading()  # on meta: the derived tensors' shapes
+    sources: dict[str, TensorSource] = {}
+    rank_tensors = module.state_dict()
+    for rank_key, key in rank.full_keys.items():
+        shape, tensor_dtype = full[key]
+        part = rank.shards.get(key)
+        local = shape if part is None else part.shape(shape)
+        assert tuple(rank_tensors[rank_key].shape) == local, (rank_key, local)
+        pads = part is not None and part.pads(shape)
+        sources[key] = TensorSource(local, tensor_dtype, part, pieces[key], pads)
+    derived = sum(t.numel() * t.element_size() for t in decoder.derived_weights())
+    return ModelPlan(str(model), config, config_dict, tokenizer, dtype, backend, module,
+                     sources, dict(rank.full_keys), derived, shard, checkpoint)
+
+
+def _chosen_pieces(
+    source: str, checkpoint: Checkpoint, alternatives: dict[str, Alternatives], num_layers: int
+) -> dict[str, tuple[Piece, ...]]:
+    """For each model tensor, the first alternative the checkpoint holds; ValueErrors for
+    tensors it lacks, tensors the model does not have, and shapes or fp8 scales that do
+    not fit (`Checkpoint.check`)."""
+    stored = checkpoint.stored
+    chosen: dict[str, tuple[Piece, ...]] = {}
+    missing: list[str] = []
+    for key, alts in alternatives.items():
+        found = next((alt for alt in alts if all(p.name in stored for p in alt)), None)
+        if found is None:
+            missing += [p.name for p in alts[0] if p.name not in stored]
+        else:
+            chosen[key] = found
+    if missing:
+        raise ValueError(
+            f"{source} lacks {len(missing)} tensor(s) the model needs: "
+            f"{names_shown(sorted(missing))}"
+        )
+    known = weight_index(alternatives)
+    for name, entry in stored.items():
+        if name not in known and not ignored_weight(name, num_layers):
+            raise ValueError(
+                f"{entry.file}: unknown weight {name!r}: the model has no tensor of that name"
+            )
+    for alt in chosen.values():
+        for piece in alt:
+            checkpoint.check(piece.name, piece.shape)
+    return chosen
+
+
+def _install(root: nn.Module, key: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` the parameter or buffer `key` of `root`."""
+    owner_name, _, name = key.rpartition(".")
+    owner = root.get_submodule(owner_name)
+    if isinstance(getattr(owner, name), nn.Parameter):
+        tensor = nn.Parameter(tensor, requires_grad=False)
+    setattr(owner, name, tensor)
+
+
+@torch.no_grad()
+def load_planned(plan: ModelPlan, device: str | torch.device = "cpu") -> nn.Module:
+    """The plan's module with its weights on `device`; for a checkpoint, the rank's
+    slices read (`plan.checkpoint.bytes_read` counts their bytes)."""
+    device = torch.device(device)
+    checkpoint = plan.checkpoint
+    if checkpoint is None:
+        return _load_tiny(plan, device)
+    tensors = {
+        key: (torch.zeros if s.pads else torch.empty)(s.shape, dtype=s.dtype, device=device)
+        for key, s in plan.sources.items()
+    }
+    for rank_key, key in plan.targets.items():
+        _install(plan.module, rank_key, tensors[key])
+    reads: dict[Path, list[tuple[str, str, tuple[slice, ...], Index]]] = {}
+    for key, source in plan.sources.items():
+        for piece in source.pieces:
+            placed = piece.placement(source.shard)
+            if placed is not None:
+                file = checkpoint.stored[piece.name].file
+                reads.setdefault(file, []).append((key, piece.name, *placed))
+    with checkpoint.opened():
+        for file in tqdm(sorted(reads), desc="Loading checkpoint shards", unit="shard"):
+            for key, name, index, dest in reads[file]:
+                view = tensors[key][dest]
+                view.copy_(checkpoint.read(name, index, plan.dtype))
+                if not torch.isfinite(view).all():
+                    raise ValueError(
+                        f"{file}: weight {name!r} has NaN or inf values (as {view.dtype})"
+                    )
+    _decoder(plan.module).process_weights_after_loading()
+    left = [name for name, t in (*plan.module.named_parameters(), *plan.module.named_buffers())
+            if t.is_meta]
+    assert not left, f"tensors the plan did not fill: {left}"
+    return plan.module
+
+
+def _load_tiny(plan: ModelPlan, device: torch.device) -> nn.Module:
+    """The built-in tiny model: made whole in memory, then sharded."""
+    net = DeepseekForCausalLM(plan.config, plan.dtype, device, plan.backend)
+    provided = net.load_weights(tiny_weights(plan.config_dict))
+    assert provided == net.expected_weight_names()
+    net.process_weights_after_loading()
+    if plan.shard is None:
+        return net
+    module = plan.shard(net)[0]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # return the whole weights' memory before sizing the cache
+    return module
+
+
 def load_model(
     model: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     backend: str = "auto",
 ) -> tuple[DeepseekForCausalLM, DeepseekConfig, TextTokenizer | None]:
-    """Build and load a model: "tiny" (built in) or a Hugging Face checkpoint directory.
+    """Build and load a whole model: "tiny" (built in) or a Hugging Face checkpoint
+    directory (`plan_model`, then `load_planned`).
 
     Returns the model, its config and its tokenizer (None when the directory has no
     tokenizer.json; then only token-id prompts can be used).
     """
-    is_tiny = str(model) == "tiny"
-    directory = Path(model)
-    config_dict = _config_dict(model)
-    # Architecture and files are checked before the model's memory is allocated.
-    config = _parse_config(model, config_dict)
-    files: dict[str, Path] | None = None
-    if is_tiny:
-        weights: Iterable[tuple[str, torch.Tensor]] = tiny_weights(config_dict)
-        tokenizer: TextTokenizer | None = ByteTokenizer()
-    else:
-        files, weights = _checkpoint_tensors(directory, dtype, None, _is_model_layer(config_dict))
-        tokenizer = load_tokenizer(directory, config_dict)
-    net = DeepseekForCausalLM(config, dtype=dtype, device=device, backend=backend)
-    _load_weights(net, weights, "the built-in tiny model" if is_tiny else str(model), files)
-    return net, config, tokenizer
+    plan = plan_model(model, dtype, backend)
+    return _decoder(load_planned(plan, device)), plan.config, plan.tokenizer

@@ -176,6 +176,7 @@ def write_tiny_checkpoint(
     fp8: bool = False,
     seed: int = 0,
     config: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Save the tiny model as a Hugging Face style checkpoint directory; return its path.
 
@@ -185,7 +186,8 @@ def write_tiny_checkpoint(
     not multiples of 128, so partial edge blocks occur), config.json gets DeepSeek's
     `quantization_config`, and every scale goes into the second shard so that a
     loader must find companions across shards. `config` replaces the tiny config (random
-    weights of any DeepSeek shape, e.g. for benchmarks).
+    weights of any DeepSeek shape, e.g. for benchmarks). `dtype`: the dtype the tensors
+    that are not fp8 are stored in (e.g. bfloat16 for a 16-bit checkpoint).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -207,7 +209,7 @@ def write_tiny_checkpoint(
         if fp8 and _is_fp8_candidate(name, tensor):
             tensor, scale_inv = _quantize_fp8_blocks(tensor)
             shards[1][f"{name}_scale_inv"] = scale_inv
-        shard[name] = tensor
+        shard[name] = tensor if tensor.dtype == FP8 else tensor.to(dtype)
     weight_map = {}
     for file, shard in zip(files, shards):
         save_file(shard, str(directory / file), metadata={"format": "pt"})
