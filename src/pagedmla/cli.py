@@ -13,6 +13,7 @@ Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import random
 import re
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The engine's start-up report (each rank's memory, the load time) goes to stderr.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("pagedmla").setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ValueError, TypeError, OSError) as err:
