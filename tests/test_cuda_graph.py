@@ -13,6 +13,7 @@ import torch
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine.cuda_graph import GraphInputs, capture_sizes
 from pagedmla.metadata import BatchSpec
+from pagedmla.models.tiny import write_tiny_checkpoint
 
 
 def test_capture_sizes_cover_every_batch() -> None:
@@ -134,18 +135,21 @@ def test_engine_graphs_match_eager() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("dcp", [1, 2])
-def test_parallel_graphs_match_eager(dcp: int) -> None:
+@pytest.mark.parametrize(("dcp", "checkpoint"), [(1, False), (2, False), (1, True)])
+def test_parallel_graphs_match_eager(dcp: int, checkpoint: bool, tmp_path) -> None:
     """Tensor parallel 2 (NCCL, a spawned worker), alone and with decode context
     parallel 2: every rank captures the decode graphs with the collectives inside and
     stages its own slots and cache lengths. Greedy tokens identical to eager steps of
-    the same parallel layout and logprobs within 1e-3; close() reaps the worker."""
+    the same parallel layout and logprobs within 1e-3; close() reaps the worker. With
+    `checkpoint`, the tiny model is a block-fp8 checkpoint each rank reads its slices
+    of (the built-in one is loaded whole, then sharded)."""
+    model = str(write_tiny_checkpoint(tmp_path, fp8=True)) if checkpoint else "tiny"
     prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + 11 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0.0, max_tokens=9 + 2 * i, logprobs=1,
                              ignore_eos=True) for i in range(6)]
     runs = []
     for eager in (True, False):
-        with LLM("tiny", dtype=torch.float32, device="cuda", block_size=16,
+        with LLM(model, dtype=torch.float32, device="cuda", block_size=16,
                  max_num_seqs=8, enforce_eager=eager, num_kv_blocks=256,
                  tensor_parallel_size=2, decode_context_parallel_size=dcp) as llm:
             assert (llm.runner.graphs is None) == eager

@@ -218,11 +218,16 @@ def test_what_does_not_fit_says_how_much_is_missing() -> None:
         check_fits(weights=8 * GIB, **args)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_cache_that_cannot_fit_is_refused_before_loading() -> None:
-    total = torch.cuda.mem_get_info()[1]
+    """A tiny-model block (bf16) is 3 layers x 64 tokens x 160 bytes: total / 4096
+    blocks are 7.5 times the device's memory."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
     with pytest.raises(ValueError, match=r"GiB missing"):
         LLM("tiny", device="cuda", block_size=64, num_kv_blocks=total // 4096)
+    assert torch.cuda.mem_get_info()[0] >= free - 16 * 2**20  # nothing was allocated
 
 
 @pytest.mark.parametrize("block", [(128, 128), (64, 48)])
