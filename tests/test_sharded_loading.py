@@ -96,21 +96,18 @@ def _held_bytes(module: torch.nn.Module) -> int:
 
 
 def _load_rank(model: str, tp: int) -> dict:
-    """Load `model` as this gloo rank: bytes read and planned, bytes held, the shapes
-    of the tensors created while loading."""
+    """Load `model` as this gloo rank: bytes planned and held, the shapes of the tensors
+    allocated while loading."""
     state = ParallelState.connect(tp, 1, torch.device("cpu"))
     plan = plan_model(model, torch.float32, "auto", shard_for(state))
     with _CreatedShapes() as spy:
         module = load_planned(plan)
-    return dict(
-        bytes_read=0 if plan.checkpoint is None else plan.checkpoint.bytes_read,
-        planned=plan.weight_bytes, held=_held_bytes(module), shapes=spy.shapes,
-        largest=max(t.numel() for t in module.state_dict().values()),
-    )
+    return dict(planned=plan.weight_bytes, held=_held_bytes(module), shapes=spy.shapes,
+                largest=max(t.numel() for t in module.state_dict().values()))
 
 
-def _full_shapes(tp: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of whole tensors that a rank must not create (none of its own tensors or
+def _whole_shapes(tp: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of whole tensors that a rank must not allocate (none of its own tensors or
     checkpoint slices has them in the tiny model at this tp)."""
     c = tiny_config()
     heads, hidden, vocab = c["num_attention_heads"], c["hidden_size"], c["vocab_size"]
@@ -129,27 +126,14 @@ def _full_shapes(tp: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("tp", [2, 4])
-def test_each_rank_reads_its_share(checkpoints, kind: str, tp: int) -> None:
-    directory = checkpoints[kind]
-    total, replicated, scales = _checkpoint_bytes(directory)
-    ranks = run_ranks(_load_rank, tp, str(directory), tp)
-    # A rank's vocabulary shard may have one row more than vocab / tp (embedding, head).
-    allowance = scales + 2 * HIDDEN * (2 if kind == "bf16" else 4)
-    share = replicated + (total - replicated) / tp
-    for rank, got in enumerate(ranks):
-        assert got["bytes_read"] <= share + allowance, (rank, got["bytes_read"], share)
-        assert got["held"] == got["planned"], rank
-        created = {name for name, shape in _full_shapes(tp).items() if shape in got["shapes"]}
-        assert not created, f"rank {rank} created whole tensors: {created}"
+@pytest.mark.parametrize(("kind", "tp"), [("bf16", 2), ("fp8", 4)])
+def test_a_rank_allocates_no_whole_tensor(checkpoints, kind: str, tp: int) -> None:
+    """Nor any tensor larger than its largest own one; and it holds the bytes planned."""
+    for rank, got in enumerate(run_ranks(_load_rank, tp, str(checkpoints[kind]), tp)):
+        whole = {name for name, shape in _whole_shapes(tp).items() if shape in got["shapes"]}
+        assert not whole, f"rank {rank} allocated whole tensors: {whole}"
         assert max(math.prod(s) for s in got["shapes"]) <= got["largest"]
-    # Split tensors are read once in all, whole ones by every rank; fp8 scale blocks
-    # that two ranks' slices share are read by both.
-    read = sum(got["bytes_read"] for got in ranks)
-    assert total + (tp - 1) * replicated <= read <= total + (tp - 1) * (replicated + scales)
-    if kind == "bf16":
-        assert read == total + (tp - 1) * replicated
+        assert got["held"] == got["planned"], rank
 
 
 @pytest.mark.parametrize("model", ["tiny", "checkpoint"])
@@ -159,7 +143,7 @@ def test_planned_bytes_are_the_bytes_held(checkpoints, model: str) -> None:
     name = "tiny" if model == "tiny" else str(checkpoints["fp8"])
     plan = plan_model(name)
     assert _held_bytes(load_planned(plan)) == plan.weight_bytes
-    if model == "tiny":  # checkpoints on ranks: test_each_rank_reads_its_share
+    if model == "tiny":  # checkpoints on ranks: test_a_rank_allocates_no_whole_tensor
         for got in run_ranks(_load_rank, 2, name, 2):
             assert got["held"] == got["planned"] < plan.weight_bytes
 
@@ -180,8 +164,9 @@ def single(checkpoints):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sharded_checkpoint_gives_the_tokens_of_one_process(checkpoints, single, kind: str,
-                                                            tp: int) -> None:
+def test_each_rank_reads_its_share_and_gives_the_tokens_of_one_process(
+    checkpoints, single, kind: str, tp: int
+) -> None:
     expected, whole = single(kind)
     with LLM(str(checkpoints[kind]), tensor_parallel_size=tp, **OPTIONS) as llm:
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -194,6 +179,19 @@ def test_sharded_checkpoint_gives_the_tokens_of_one_process(checkpoints, single,
     assert [r.rank for r in reports] == list(range(tp))
     assert all(r.weight_bytes < whole.weight_bytes for r in reports)
     assert all(r.kv_cache_bytes == whole.kv_cache_bytes for r in reports)  # latents replicated
+    total, replicated, scales = _checkpoint_bytes(checkpoints[kind])
+    assert whole.checkpoint_bytes_read == total
+    # A rank's vocabulary shard may have one row more than vocab / tp (embedding, head).
+    allowance = scales + 2 * HIDDEN * (2 if kind == "bf16" else 4)
+    share = replicated + (total - replicated) / tp
+    for r in reports:
+        assert r.checkpoint_bytes_read <= share + allowance, (r, share)
+    # Split tensors are read once in all, whole ones by every rank; fp8 scale blocks
+    # that two ranks' slices share are read by both.
+    read = sum(r.checkpoint_bytes_read for r in reports)
+    assert total + (tp - 1) * replicated <= read <= total + (tp - 1) * (replicated + scales)
+    if kind == "bf16":
+        assert read == total + (tp - 1) * replicated
 
 
 def test_memory_report_of_one_process(checkpoints, single) -> None:
@@ -205,7 +203,8 @@ def test_memory_report_of_one_process(checkpoints, single) -> None:
     assert llm.memory.kv_cache_tokens == (OPTIONS["num_kv_blocks"] - 1) * OPTIONS["block_size"]
     assert llm.memory.load_seconds > 0 and llm.memory_per_rank == [llm.memory]
     assert re.fullmatch(r"rank 0: weights \d+\.\d{3} GiB, KV cache \d+\.\d{3} GiB "
-                        r"\(376 tokens\), weights loaded in \d+\.\d s", str(llm.memory))
+                        r"\(376 tokens\), weights loaded in \d+\.\d s \(0\.001 GiB of "
+                        r"checkpoint read\)", str(llm.memory))
 
 
 def test_what_does_not_fit_says_how_much_is_missing() -> None:

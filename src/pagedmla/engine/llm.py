@@ -67,8 +67,8 @@ class LLM:
     on CUDA, weights, workspace and the smallest cache (2 blocks, or num_kv_blocks)
     that need more than gpu_memory_utilization of the free memory are a ValueError
     saying how much is missing. `memory` (a `MemoryReport`) holds this rank's weights'
-    and cache's bytes, the cache's capacity in tokens and the load time;
-    `memory_per_rank` every rank's, which the driver logs (logger
+    and cache's bytes, the cache's capacity in tokens, the load time and the checkpoint
+    bytes read; `memory_per_rank` every rank's, which the driver logs (logger
     `pagedmla.engine.llm`, level INFO).
 
     tensor_parallel_size > 1 shards the model over that many ranks (one per GPU, or
@@ -170,7 +170,8 @@ class LLM:
             num_kv_blocks, block_size * args.decode_context_parallel_size,
             args.enable_prefix_caching,
         )
-        self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds)
+        read = 0 if plan.checkpoint is None else plan.checkpoint.bytes_read
+        self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds, read)
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
@@ -194,13 +195,15 @@ class LLM:
         if self.parallel is not None:
             self.parallel.ready()
 
-    def _report_memory(self, weight_bytes: int, cache_bytes: int, load_seconds: float) -> None:
+    def _report_memory(self, weight_bytes: int, cache_bytes: int, load_seconds: float,
+                       bytes_read: int) -> None:
         """Set `memory` (this rank's MemoryReport) and `memory_per_rank` (every rank's,
         gathered over the host group), and log the ranks' reports on the driver."""
         manager = self.block_manager
         rank = 0 if self.parallel is None else self.parallel.state.tp_rank
         self.memory = MemoryReport(rank, weight_bytes, cache_bytes,
-                                   manager.num_usable_blocks * manager.block_size, load_seconds)
+                                   manager.num_usable_blocks * manager.block_size, load_seconds,
+                                   bytes_read)
         self.memory_per_rank = (
             [self.memory] if self.parallel is None
             else self.parallel.state.gather_objects(self.memory)

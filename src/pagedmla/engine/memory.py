@@ -21,7 +21,8 @@ class MemoryReport:
     included (under tensor parallelism: its shard); kv_cache_bytes: its caches, all
     layers; kv_cache_tokens: the tokens of context the engine's cache holds (its usable
     blocks times the scheduler's block size: under decode context parallelism a group's
-    capacity); load_seconds: planning and loading the weights.
+    capacity); load_seconds: planning and loading the weights; checkpoint_bytes_read:
+    the bytes of the checkpoint slices it read (0 for the built-in tiny model).
     """
 
     rank: int
@@ -29,6 +30,7 @@ class MemoryReport:
     kv_cache_bytes: int
     kv_cache_tokens: int
     load_seconds: float
+    checkpoint_bytes_read: int
 
     @property
     def weight_gib(self) -> float:
@@ -41,7 +43,8 @@ class MemoryReport:
     def __str__(self) -> str:
         return (f"rank {self.rank}: weights {self.weight_gib:.3f} GiB, KV cache "
                 f"{self.kv_cache_gib:.3f} GiB ({self.kv_cache_tokens} tokens), weights "
-                f"loaded in {self.load_seconds:.1f} s")
+                f"loaded in {self.load_seconds:.1f} s "
+                f"({self.checkpoint_bytes_read / GIB:.3f} GiB of checkpoint read)")
 
 
 def workspace_bytes(dims: MLADims, rows: int, dtype: torch.dtype) -> int:
