@@ -30,7 +30,6 @@ from safetensors import SafetensorError, safe_open
 from pagedmla.validation import read_json_object
 
 SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # the same dtypes as safetensors headers spell them
 DEFAULT_BLOCK_SIZE = (128, 128)
 _MAX_NAMES_SHOWN = 10
@@ -188,7 +187,6 @@ class Checkpoint:
     """
 
     def __init__(self, directory: Path, block_size: Sequence[int] | None = None) -> None:
-        self.directory = directory
         if block_size is None:
             block_size = block_size_of(read_config(directory), directory / "config.json")
         self.block_size = tuple(block_size)
