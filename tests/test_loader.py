@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedmla.models.loader import dequantize_fp8_blocks, iter_checkpoint_tensors, load_model
+from pagedmla.models.loader import iter_checkpoint_tensors, load_model
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
+from pagedmla.ops.block_fp8 import dequantize_blocks
 from pagedmla.tokenizer import ByteTokenizer, load_tokenizer
 
 FP8 = torch.float8_e4m3fn
@@ -47,7 +48,7 @@ def test_dequantize_matches_hand_formula_with_partial_blocks(block):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(300, 200, generator=gen) * torch.rand(300, 1, generator=gen)
     q, scale = quantize_by_hand(w, block)
-    got = dequantize_fp8_blocks(q, scale, block)
+    got = dequantize_blocks(q, scale, block)
     assert got.dtype == torch.float32
     assert torch.equal(got, dequantize_by_hand(q, scale, block))
     # e4m3 keeps 3 mantissa bits: rounding error <= 2^-4 relative for normal values,
@@ -55,13 +56,13 @@ def test_dequantize_matches_hand_formula_with_partial_blocks(block):
     per_elem_scale = dequantize_by_hand(torch.ones_like(q), scale, block)
     bound = torch.maximum(w.abs() * 2**-4, per_elem_scale * 2**-10) * 1.0001
     assert ((got - w).abs() <= bound).all()
-    assert dequantize_fp8_blocks(q, scale, block, torch.bfloat16).dtype == torch.bfloat16
+    assert dequantize_blocks(q, scale, block, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_dequantize_rejects_wrong_scale_shape():
     q = torch.zeros(130, 128, dtype=FP8)
     with pytest.raises(ValueError, match=r"\(2, 1\)"):
-        dequantize_fp8_blocks(q, torch.ones(1, 1))
+        dequantize_blocks(q, torch.ones(1, 1))
 
 
 def _save_sharded(directory: Path, shards: dict[str, dict[str, torch.Tensor]], index: bool):

@@ -25,10 +25,11 @@ from pagedmla import LLM, SamplingParams
 from pagedmla.distributed.state import ParallelState
 from pagedmla.distributed.tensor_parallel import shard_for
 from pagedmla.engine.memory import GIB, check_fits
-from pagedmla.models.checkpoint import Checkpoint, dequantize_fp8_blocks
+from pagedmla.models.checkpoint import Checkpoint
 from pagedmla.models.loader import load_planned, plan_model
 from pagedmla.models.shards import Piece, Shard
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
+from pagedmla.ops.block_fp8 import dequantize_blocks
 from tests.dist_helpers import run_ranks
 from tests.test_loader import quantize_by_hand
 
@@ -235,7 +236,7 @@ def test_an_fp8_slice_is_the_slice_of_the_dequantized_weight(tmp_path, block) ->
     w = torch.randn(300, 200, generator=gen)
     q, scale = quantize_by_hand(w, block)
     save_file({"x.weight": q, "x.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
-    whole = dequantize_fp8_blocks(q, scale, block)
+    whole = dequantize_blocks(q, scale, block)
     checkpoint = Checkpoint(tmp_path, block)
     with checkpoint.opened():
         for rows, cols in [(slice(0, 300), slice(0, 200)), (slice(100, 290), slice(50, 51)),

@@ -16,7 +16,6 @@ the same slice of the whole dequantized weight.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -27,54 +26,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedmla.ops.block_fp8 import DEFAULT_BLOCK_SIZE, dequantize_blocks, scale_grid
 from pagedmla.validation import read_json_object
 
 SCALE_SUFFIX = "_scale_inv"
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # the same dtypes as safetensors headers spell them
-DEFAULT_BLOCK_SIZE = (128, 128)
 _MAX_NAMES_SHOWN = 10
-
-
-def dequantize_fp8_blocks(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """weight.float() * scale_inv, each scale covering one block_size block of `weight`.
-
-    weight [out, in] (fp8); scale_inv [ceil(out/bo), ceil(in/bi)]; blocks at the
-    bottom and right edges may be partial. The product is formed in float32, then
-    cast to `dtype`.
-    """
-    rows, cols = weight.shape
-    grid = _scale_grid((rows, cols), block_size)
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(
-            f"weight_scale_inv for a {rows}x{cols} weight with {block_size[0]}x{block_size[1]} "
-            f"blocks must have shape {grid}, got {tuple(scale_inv.shape)}"
-        )
-    return _dequantize(weight, scale_inv, block_size, dtype, (0, 0))
-
-
-def _scale_grid(shape: Sequence[int], block_size: Sequence[int]) -> tuple[int, int]:
-    return math.ceil(shape[0] / block_size[0]), math.ceil(shape[1] / block_size[1])
-
-
-def _dequantize(
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    block_size: Sequence[int],
-    dtype: torch.dtype,
-    origin: tuple[int, int],
-) -> torch.Tensor:
-    """weight [r, c], the slice of a quantized weight that starts at `origin`, times the
-    scale of each element's block; `scales` holds the blocks the slice touches."""
-    index = []
-    for start, size, block in zip(origin, weight.shape, block_size):
-        index.append((torch.arange(start, start + size) // block) - start // block)
-    scale = scales.float()[index[0][:, None], index[1][None, :]]
-    return (weight.float() * scale).to(dtype)
 
 
 @contextmanager
@@ -221,7 +178,7 @@ class Checkpoint:
             return
         if not fp8:
             raise ValueError(f"{file}: {name} has {name}{SCALE_SUFFIX} but dtype {stored.dtype}")
-        grid = _scale_grid(stored.shape, self.block_size) if len(stored.shape) == 2 else None
+        grid = scale_grid(stored.shape, self.block_size) if len(stored.shape) == 2 else None
         if scale.shape != grid:
             bo, bi = self.block_size
             raise ValueError(
@@ -265,7 +222,7 @@ class Checkpoint:
                   slice(cols.start // bi, -(-cols.stop // bi)))
         scales = self._handle(self.scales[scale_name].file).get_slice(scale_name)[blocks]
         self.bytes_read += scales.numel() * scales.element_size()
-        return _dequantize(part, scales, self.block_size, dtype, origin)
+        return dequantize_blocks(part, scales, self.block_size, dtype, origin)
 
 
 def iter_checkpoint_tensors(

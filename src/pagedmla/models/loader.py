@@ -36,7 +36,6 @@ from tqdm import tqdm
 from pagedmla.models.checkpoint import (
     Checkpoint,
     block_size_of,
-    dequantize_fp8_blocks,
     iter_checkpoint_tensors,
     names_shown,
     read_config,
@@ -51,7 +50,6 @@ __all__ = [
     "ModelPlan",
     "Sharder",
     "TensorSource",
-    "dequantize_fp8_blocks",
     "iter_checkpoint_tensors",
     "load_config",
     "load_model",

@@ -32,6 +32,7 @@ class Backend:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
+    fp8_linear: Callable[..., torch.Tensor]
     # Decode ops neither synchronise with the host nor allocate by device values, so
     # a decode step can be captured in a CUDA graph.
     graph_safe: bool = False
@@ -49,4 +50,5 @@ REFERENCE = Backend(
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,
     fused_experts=reference.fused_experts,
+    fp8_linear=reference.fp8_linear,
 )

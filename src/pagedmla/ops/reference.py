@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.block_fp8 import dequantize_blocks, dequantize_w13
 
 # Query rows per attention block: bounds the [N, rows, S] score matrix in memory.
 _SCORE_ELEMENTS = 1 << 26
@@ -289,14 +290,33 @@ def rotary(
     return apply_rope(k_pe, cos, sin, interleaved)
 
 
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype, W [N, K] a block-scaled fp8 weight with
+    scale_inv [ceil(N / bn), ceil(K / bk)] float32 (`ops/block_fp8.py`).
+
+    W is dequantized on every call, to float32 and then to x's dtype, and x is not
+    quantized: exactly a linear layer on the dequantized checkpoint in x's dtype.
+    """
+    w = dequantize_blocks(weight, scale_inv, block_size, x.dtype)
+    return torch.nn.functional.linear(x, w)
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-    ids: torch.Tensor,
+    ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: sum over each token's k experts e = ids[t, j] of weights[t, j]
     * w2[e] (silu(gate) * up), [gate | up] = w13[e] x[t]; x [T, H], w13 [E, 2I, H] (gate
     rows, then up rows), w2 [E, H, I], weights [T, k] float32, ids [T, k] -> [T, H] in
     x's dtype. Ids >= E (another rank's experts) contribute nothing.
+
+    Block-fp8 experts pass w13 and w2 in float8_e4m3fn with w13_scale_inv [E, 2,
+    ceil(I / bn), ceil(H / bk)], w2_scale_inv [E, ceil(H / bn), ceil(I / bk)] and
+    block_size (bn, bk) (`ops/block_fp8.py`): each expert that runs is dequantized to
+    x's dtype on the call, as `fp8_linear` does.
 
     The pairs are sorted by expert and each expert that got tokens runs one matmul over
     them (the expert counts are read on the host: this op synchronises).
@@ -315,8 +335,13 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        gate, up = torch.nn.functional.linear(gathered[start:end], w13[expert]).chunk(2, dim=-1)
-        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        up_w, down_w = w13[expert], w2[expert]
+        if w13_scale_inv is not None:
+            assert w2_scale_inv is not None and block_size is not None
+            up_w = dequantize_w13(up_w, w13_scale_inv[expert], block_size, x.dtype)
+            down_w = dequantize_blocks(down_w, w2_scale_inv[expert], block_size, x.dtype)
+        gate, up = torch.nn.functional.linear(gathered[start:end], up_w).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w)
         # Weights are float32: scale and accumulate in float32, cast once at the end.
         out.index_add_(0, tokens[start:end], y.float() * pair_weights[start:end, None])
         start = end

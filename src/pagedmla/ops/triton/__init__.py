@@ -12,7 +12,7 @@ under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tes
 
 from __future__ import annotations
 
-from pagedmla.ops import Backend
+from pagedmla.ops import Backend, reference
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
@@ -34,6 +34,7 @@ TRITON_BACKEND = Backend(
     add_rms_norm=add_rms_norm,
     rotary=rotary,
     fused_experts=fused_experts,
+    fp8_linear=reference.fp8_linear,
     graph_safe=True,
 )
 
