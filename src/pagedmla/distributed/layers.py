@@ -12,19 +12,20 @@ import torch
 from torch import nn
 
 from pagedmla.distributed.state import ParallelState
+from pagedmla.models.linear import Linear
 from pagedmla.models.moe import MoE
 
 
-class RowParallelLinear(nn.Module):
-    """x [T, in / tp] (this rank's input columns) -> all-reduced x @ W.T, [T, out]."""
+class RowParallelLinear(Linear):
+    """x [T, in / tp] (this rank's input columns) -> all-reduced x @ W.T, [T, out]; W
+    this rank's columns of the weight, in the model dtype or block-fp8 (as `Linear`)."""
 
-    def __init__(self, weight: torch.Tensor, state: ParallelState) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+    def __init__(self, layer: Linear, state: ParallelState) -> None:
+        super().__init__(layer.weight, layer.weight_scale_inv, layer.block_size, layer.backend)
         self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.state.all_reduce(nn.functional.linear(x, self.weight))
+        return self.state.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,7 +14,11 @@
   logits).
 
 The ranges need not divide evenly (intermediate units, experts, vocabulary); only the
-heads must, since every rank runs the same attention shapes. Each share is a `Shard`
+heads must, since every rank runs the same attention shapes. A block-fp8 linear layer
+keeps its rank's part in fp8, with the scales of the blocks that part covers, when the
+part starts on a block boundary (DeepSeek-V3's widths do at tp 2, 4 and 8); a part that
+starts inside a block would need scales of another phase than the kernels read, and is
+held dequantized in the model dtype instead. Each share is a `Shard`
 of a whole-model tensor, recorded by its state_dict key (`TensorParallelLM.shards`).
 Run on a model built on the meta device (`shard_for`, the loader's `Sharder`), the same
 code gives the rank's module shapes and the shards the checkpoint loader reads, so a
@@ -42,9 +46,11 @@ from pagedmla.distributed.state import ParallelState
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekAttention, DeepseekForCausalLM
+from pagedmla.models.linear import Linear
 from pagedmla.models.loader import Sharder
 from pagedmla.models.moe import DenseMLP, MoE
 from pagedmla.models.shards import RankShards, Shard
+from pagedmla.ops.block_fp8 import dequantize_blocks
 
 
 def check_heads_divisible(config: DeepseekConfig, tensor_parallel_size: int) -> None:
@@ -105,10 +111,12 @@ class TensorParallelLM(nn.Module):
 
 class _Cut:
     """This rank's contiguous, balanced parts of ranges, and the Shard taken of each
-    whole-model tensor (by state_dict key)."""
+    whole-model tensor (by state_dict key). `dtype`: the model's, for block-fp8 parts
+    held dequantized."""
 
-    def __init__(self, state: ParallelState) -> None:
+    def __init__(self, state: ParallelState, dtype: torch.dtype) -> None:
         self.state = state
+        self.dtype = dtype
         self.shards: dict[str, Shard] = {}
 
     def share(self, total: int, unit: int = 1) -> slice:
@@ -128,29 +136,33 @@ class _Cut:
         shard = self.shards[key] = Shard(dim, part.start, part.stop)
         return shard.take(weight)
 
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    """A bias-free nn.Linear whose weight is `weight`."""
-    layer = nn.utils.skip_init(
-        nn.Linear, weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype,
-        device="meta",
-    )
-    layer.weight = nn.Parameter(weight, requires_grad=False)
-    return layer
+    def linear(self, key: str, layer: Linear, dim: int, part: slice) -> Linear:
+        """`part` of a linear layer's weight (`key`: its whole-model key, without
+        ".weight") along `dim`: fp8 with its blocks' scales where `part` starts on a
+        block boundary, else dequantized to the model dtype."""
+        weight, block = layer.weight, layer.block_size
+        if block is None:
+            return Linear(self.take(f"{key}.weight", weight, dim, part))
+        if part.start % block[dim] == 0:
+            blocks = slice(part.start // block[dim], -(-part.stop // block[dim]))
+            scale_inv = self.take(f"{key}.weight_scale_inv", layer.weight_scale_inv, dim, blocks)
+            return Linear(self.take(f"{key}.weight", weight, dim, part), scale_inv, block,
+                          layer.backend)
+        if not weight.is_meta:
+            weight = dequantize_blocks(weight, layer.weight_scale_inv, block, self.dtype)
+        return Linear(self.take(f"{key}.weight", weight.to(self.dtype), dim, part))
 
 
 def _shard_attention(attn: DeepseekAttention, prefix: str, cut: _Cut) -> None:
     d = attn.dims
     heads = cut.share(d.num_heads)  # an equal share: heads divide by tp
     q_name = "q_proj" if d.q_lora_rank is None else "q_b_proj"
-    q = getattr(attn, q_name).weight
     rows = cut.share(d.num_heads, d.qk_head_dim)
-    setattr(attn, q_name, _linear(cut.take(f"{prefix}.{q_name}.weight", q, 0, rows)))
+    setattr(attn, q_name, cut.linear(f"{prefix}.{q_name}", getattr(attn, q_name), 0, rows))
     rows = cut.share(d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
-    attn.kv_b_proj = _linear(cut.take(f"{prefix}.kv_b_proj.weight", attn.kv_b_proj.weight, 0,
-                                      rows))
+    attn.kv_b_proj = cut.linear(f"{prefix}.kv_b_proj", attn.kv_b_proj, 0, rows)
     columns = cut.share(d.num_heads, d.v_head_dim)
-    o_proj = cut.take(f"{prefix}.o_proj.weight", attn.o_proj.weight, 1, columns)
+    o_proj = cut.linear(f"{prefix}.o_proj", attn.o_proj, 1, columns)
     attn.o_proj = RowParallelLinear(o_proj, cut.state)
     attn.dims = replace(d, num_heads=heads.stop - heads.start)
     old = attn.attn
@@ -159,17 +171,19 @@ def _shard_attention(attn: DeepseekAttention, prefix: str, cut: _Cut) -> None:
 
 def _shard_mlp(mlp: DenseMLP, prefix: str, cut: _Cut, reduce: bool) -> None:
     units = cut.share(mlp.gate_proj.weight.shape[0])
-    mlp.gate_proj = _linear(cut.take(f"{prefix}.gate_proj.weight", mlp.gate_proj.weight, 0,
-                                     units))
-    mlp.up_proj = _linear(cut.take(f"{prefix}.up_proj.weight", mlp.up_proj.weight, 0, units))
-    down = cut.take(f"{prefix}.down_proj.weight", mlp.down_proj.weight, 1, units)
-    mlp.down_proj = RowParallelLinear(down, cut.state) if reduce else _linear(down)
+    mlp.gate_proj = cut.linear(f"{prefix}.gate_proj", mlp.gate_proj, 0, units)
+    mlp.up_proj = cut.linear(f"{prefix}.up_proj", mlp.up_proj, 0, units)
+    down = cut.linear(f"{prefix}.down_proj", mlp.down_proj, 1, units)
+    mlp.down_proj = RowParallelLinear(down, cut.state) if reduce else down
 
 
 def _shard_moe(moe: MoE, prefix: str, cut: _Cut) -> ParallelMoE:
     experts = cut.share(moe.w13.shape[0])
     moe.w13 = nn.Parameter(cut.take(f"{prefix}.w13", moe.w13, 0, experts), requires_grad=False)
     moe.w2 = nn.Parameter(cut.take(f"{prefix}.w2", moe.w2, 0, experts), requires_grad=False)
+    if moe.block_size is not None:
+        moe.w13_scale_inv = cut.take(f"{prefix}.w13_scale_inv", moe.w13_scale_inv, 0, experts)
+        moe.w2_scale_inv = cut.take(f"{prefix}.w2_scale_inv", moe.w2_scale_inv, 0, experts)
     if moe.shared_experts is not None:  # ParallelMoE reduces once
         _shard_mlp(moe.shared_experts, f"{prefix}.shared_experts", cut, reduce=False)
     return ParallelMoE(moe, experts.start, cut.state)
@@ -181,7 +195,7 @@ def parallelize(model: DeepseekForCausalLM, state: ParallelState) -> TensorParal
     done), or one on the meta device, whose shapes and shards the loader then fills."""
     config = model.config
     check_heads_divisible(config, state.tp_size)
-    cut = _Cut(state)
+    cut = _Cut(state, model.embed_tokens.weight.dtype)
     for i, layer in enumerate(model.layers):
         _shard_attention(layer.self_attn, f"layers.{i}.self_attn", cut)
         if isinstance(layer.mlp, MoE):

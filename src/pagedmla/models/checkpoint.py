@@ -8,10 +8,11 @@ that lacks a tensor its index lists is found there), and tensors are read by sli
 columns it keeps. `Checkpoint.bytes_read` counts the bytes of the slices read.
 
 DeepSeek's fp8 block-quantized weights (`X.weight` in float8_e4m3fn with a float32
-`X.weight_scale_inv`, one scale per 128x128 block, found in any shard) are dequantized
-as they are read: a slice of the weight with the scales of the blocks it touches, each
-element multiplied by its block's scale, so a slice gives exactly the same values as
-the same slice of the whole dequantized weight.
+`X.weight_scale_inv`, one scale per 128x128 block, found in any shard) are read as they
+are stored (a model that keeps them in fp8 reads the scales as tensors of their own) or
+dequantized as they are read: a slice of the weight with the scales of the blocks it
+touches, each element multiplied by its block's scale, so a slice gives exactly the
+same values as the same slice of the whole dequantized weight.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedmla.ops.block_fp8 import DEFAULT_BLOCK_SIZE, dequantize_blocks, scale_grid
+from pagedmla.models.config import weight_block_size
+from pagedmla.ops.block_fp8 import (
+    DEFAULT_BLOCK_SIZE,
+    FP8_WEIGHT_DTYPE,
+    dequantize_blocks,
+    scale_grid,
+)
 from pagedmla.validation import read_json_object
 
 SCALE_SUFFIX = "_scale_inv"
@@ -102,28 +109,12 @@ def names_shown(names: Sequence[str]) -> str:
 
 
 def block_size_of(config: dict[str, Any], path: Path) -> tuple[int, int]:
-    """fp8 block shape from `quantization_config` of `path` (the config.json); other
-    quantization schemes are refused."""
-    quant = config.get("quantization_config")
-    if quant is None:
-        return DEFAULT_BLOCK_SIZE
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(
-            f"{path}: unsupported quantization_config.quant_method {method!r}; "
-            "only DeepSeek's block fp8 ('fp8') is supported"
-        )
-    block = quant.get("weight_block_size", list(DEFAULT_BLOCK_SIZE))
-    if not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ValueError(
-            f"{path}: 'quantization_config.weight_block_size' must be two positive integers, "
-            f"got {block!r}"
-        )
-    return block[0], block[1]
+    """fp8 block shape of `path` (the config.json, whose dict is `config`): its
+    `quantization_config`'s, else 128 x 128; other quantization schemes are refused."""
+    try:
+        return weight_block_size(config) or DEFAULT_BLOCK_SIZE
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -135,7 +126,7 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 class Checkpoint:
     """The tensors of a checkpoint directory (`stored`: name -> header entry, fp8 scales
-    not listed apart), read by slice while `opened`.
+    included; `scales`: those scales), read by slice while `opened`.
 
     Opening checks the files (present, headers complete, every scale paired with a
     weight); `check` checks a tensor against the shape a model expects and its fp8
@@ -147,15 +138,14 @@ class Checkpoint:
         if block_size is None:
             block_size = block_size_of(read_config(directory), directory / "config.json")
         self.block_size = tuple(block_size)
-        everything = _stored_tensors(directory)
-        self.scales = {n: s for n, s in everything.items() if n.endswith(SCALE_SUFFIX)}
+        self.stored = _stored_tensors(directory)
+        self.scales = {n: s for n, s in self.stored.items() if n.endswith(SCALE_SUFFIX)}
         for scale_name, scale in self.scales.items():
-            if scale_name.removesuffix(SCALE_SUFFIX) not in everything:
+            if scale_name.removesuffix(SCALE_SUFFIX) not in self.stored:
                 raise ValueError(
                     f"{scale.file}: {scale_name} has no weight "
                     f"{scale_name.removesuffix(SCALE_SUFFIX)}"
                 )
-        self.stored = {n: s for n, s in everything.items() if n not in self.scales}
         self.bytes_read = 0
         self._stack: ExitStack | None = None
         self._handles: dict[Path, Any] = {}
@@ -206,15 +196,16 @@ class Checkpoint:
     def read(
         self, name: str, index: tuple[slice, ...] | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        """tensor[index] (all of it for None) as stored, or dequantized to `dtype` for an
-        fp8 weight; its bytes, and its scales', count in bytes_read."""
+        """tensor[index] (all of it for None): as stored, but for an fp8 weight with
+        scales read as `dtype` other than fp8, dequantized to `dtype`; its bytes, and
+        those of the scales read with it, count in bytes_read."""
         stored = self.stored[name]
         if index is None:
             index = tuple(slice(0, n) for n in stored.shape)
         part = self._handle(stored.file).get_slice(name)[index]
         self.bytes_read += part.numel() * part.element_size()
         scale_name = name + SCALE_SUFFIX
-        if scale_name not in self.scales:
+        if scale_name not in self.scales or dtype == FP8_WEIGHT_DTYPE:
             return part
         rows, cols = index
         (bo, bi), origin = self.block_size, (rows.start, cols.start)
@@ -242,7 +233,8 @@ def iter_checkpoint_tensors(
     shape) before this returns, not on first use.
     """
     checkpoint = Checkpoint(Path(directory), block_size)
-    names = [n for n in checkpoint.stored if keep is None or keep(n)]
+    names = [n for n in checkpoint.stored
+             if n not in checkpoint.scales and (keep is None or keep(n))]
     for name in names:
         checkpoint.check(name)
     names.sort(key=lambda n: checkpoint.stored[n].file)

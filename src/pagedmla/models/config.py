@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedmla.dims import MLADims, softmax_scale
+from pagedmla.ops.block_fp8 import DEFAULT_BLOCK_SIZE
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -34,6 +35,8 @@ class DeepseekConfig:
     `rope_scaling` is None for plain RoPE, else the scaling dict with `rope_type` set
     (e.g. "yarn" with factor, original_max_position_embeddings, beta_fast, beta_slow,
     mscale, mscale_all_dim). `n_routed_experts` 0 means every layer is dense.
+    `weight_block_size` is the (rows, columns) of a block-fp8 checkpoint's scale blocks
+    (`quantization_config`), None for weights in the model dtype.
     """
 
     model_type: str
@@ -68,6 +71,7 @@ class DeepseekConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architectures: tuple[str, ...] = field(default_factory=tuple)
+    weight_block_size: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeepseekConfig:
@@ -135,6 +139,7 @@ class DeepseekConfig:
             bos_token_id=_optional_int(d, "bos_token_id", None, minimum=0),
             eos_token_id=_eos_token_id(d),
             architectures=tuple(architectures),
+            weight_block_size=weight_block_size(d),
         )
         config._validate_moe()
         return config
@@ -219,6 +224,31 @@ def _rope_settings(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
             raise ValueError(f"'{key}.{name}' must be a finite number, got {value!r}")
     params["rope_type"] = kind
     return theta, params
+
+
+def weight_block_size(d: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The fp8 block shape of `quantization_config` (128 x 128 when it names none), None
+    without one; other quantization schemes are refused."""
+    quant = d.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(
+            f"unsupported quantization_config.quant_method {method!r}; "
+            "only DeepSeek's block fp8 ('fp8') is supported"
+        )
+    block = quant.get("weight_block_size", list(DEFAULT_BLOCK_SIZE))
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            "'quantization_config.weight_block_size' must be two positive integers, "
+            f"got {block!r}"
+        )
+    return block[0], block[1]
 
 
 def _required_int(d: Mapping[str, Any], key: str, minimum: int = 1) -> int:

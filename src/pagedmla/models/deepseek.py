@@ -18,13 +18,16 @@ from pagedmla.attention import MLAAttention
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
-from pagedmla.models.moe import DenseMLP, MoE, empty_linear
+from pagedmla.models.linear import Linear
+from pagedmla.models.moe import DenseMLP, MoE
 from pagedmla.models.rope import RotaryEmbedding
 from pagedmla.models.shards import Alternatives, Piece
+from pagedmla.ops.block_fp8 import all_finite
 from pagedmla.ops.registry import get_backend
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_STACKED = (".mlp.w13", ".mlp.w2")  # our stacked expert tensors: not checkpoint names
+# Our stacked expert tensors (and their fp8 scales): not checkpoint names.
+_STACKED = (".mlp.w13", ".mlp.w2", ".mlp.w13_scale_inv", ".mlp.w2_scale_inv")
 _W13_PARTS = ("gate_proj", "up_proj")  # w13 rows: gate first, then up
 
 
@@ -60,6 +63,10 @@ class DeepseekAttention(nn.Module):
     q comes from q_proj, or from q_a_proj -> q_a_layernorm -> q_b_proj (q LoRA);
     kv_a_proj_with_mqa gives the latent [L] (normalised by kv_a_layernorm) and k_pe [R].
     kv_b_proj is held for loading; MLAAttention uses it after process_weights_after_loading.
+    With a block-fp8 checkpoint every projection but kv_b_proj keeps its fp8 weight:
+    kv_b_proj is only ever used through its absorbed halves W_UK and W_UV, which the
+    attention kernels take in the model dtype, so it is dequantized as it is loaded
+    (it is small: 1/40 of a DeepSeek-V3 layer's weights).
     """
 
     def __init__(
@@ -73,16 +80,21 @@ class DeepseekAttention(nn.Module):
         # DeepSeek's reference code (and transformers) build the two latent norms with the
         # RMSNorm default eps, not config.rms_norm_eps.
         eps = 1e-6
+        block = c.weight_block_size
+
+        def linear(inp: int, out: int) -> Linear:
+            return Linear.empty(inp, out, dtype, device, block, backend)
+
         if d.q_lora_rank is None:
-            self.q_proj = empty_linear(H, N * d.qk_head_dim, dtype, device)
+            self.q_proj = linear(H, N * d.qk_head_dim)
         else:
-            self.q_a_proj = empty_linear(H, d.q_lora_rank, dtype, device)
+            self.q_a_proj = linear(H, d.q_lora_rank)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, eps, dtype, device, backend)
-            self.q_b_proj = empty_linear(d.q_lora_rank, N * d.qk_head_dim, dtype, device)
-        self.kv_a_proj_with_mqa = empty_linear(H, L + d.qk_rope_head_dim, dtype, device)
+            self.q_b_proj = linear(d.q_lora_rank, N * d.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(H, L + d.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(L, eps, dtype, device, backend)
-        self.kv_b_proj = empty_linear(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
-        self.o_proj = empty_linear(N * d.v_head_dim, H, dtype, device)
+        self.kv_b_proj = Linear.empty(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
+        self.o_proj = linear(N * d.v_head_dim, H)
         self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
 
     def project(
@@ -121,7 +133,8 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(layer):
             self.mlp: nn.Module = MoE(config, dtype, device, backend)
         else:
-            self.mlp = DenseMLP(H, config.intermediate_size, dtype, device)
+            self.mlp = DenseMLP(H, config.intermediate_size, dtype, device,
+                                config.weight_block_size, backend)
 
     def forward(
         self,
@@ -187,7 +200,7 @@ class DeepseekForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(H, config.rms_norm_eps, dtype, device, backend)
-        self.lm_head = None if config.tie_word_embeddings else empty_linear(H, vocab, dtype, device)
+        self.lm_head = None if config.tie_word_embeddings else Linear.empty(H, vocab, dtype, device)
         self.rotary = None
         if config.qk_rope_head_dim:
             self.rotary = RotaryEmbedding(
@@ -246,27 +259,11 @@ class DeepseekForCausalLM(nn.Module):
         the per-expert names first, transformers' fused expert tensor second; for a tied
         embedding, `lm_head.weight` second)."""
         c = self.config
-        inter = c.moe_intermediate_size
         sources: dict[str, Alternatives] = {}
         for key, tensor in self.state_dict(keep_vars=True).items():
             shape = tuple(tensor.shape)
             if key.endswith(_STACKED):
-                mlp, _, stacked = key.rpartition(".")
-                E = shape[0]
-                if stacked == "w13":
-                    per_expert = tuple(
-                        Piece(f"model.{mlp}.experts.{e}.{part}.weight", (inter, shape[2]),
-                              (e,), (k * inter, 0))
-                        for e in range(E) for k, part in enumerate(_W13_PARTS)
-                    )
-                    fused = f"model.{mlp}.experts.gate_up_proj"
-                else:
-                    per_expert = tuple(
-                        Piece(f"model.{mlp}.experts.{e}.down_proj.weight", shape[1:], (e,))
-                        for e in range(E)
-                    )
-                    fused = f"model.{mlp}.experts.down_proj"
-                sources[key] = (per_expert, (Piece(fused, shape),))
+                sources[key] = _expert_sources(key, shape, c.moe_intermediate_size)
                 continue
             name = key if key == "lm_head.weight" else f"model.{key}"
             sources[key] = ((Piece(name, shape),),)
@@ -307,7 +304,7 @@ class DeepseekForCausalLM(nn.Module):
                     f"weight {name!r} has shape {list(tensor.shape)}, expected {list(dest.shape)}"
                 )
             dest.copy_(tensor)
-            if not torch.isfinite(dest).all():
+            if not all_finite(dest):
                 raise ValueError(f"weight {name!r} has NaN or inf values (as {dest.dtype})")
             filled |= covered
         return filled
@@ -324,6 +321,31 @@ class DeepseekForCausalLM(nn.Module):
         """Derive what MLAAttention precomputes (W_UK, W_UV) from the loaded kv_b_proj."""
         for layer in self.layers:
             layer.self_attn.attn.set_kv_b_proj(layer.self_attn.kv_b_proj.weight)
+
+
+def _expert_sources(key: str, shape: tuple[int, ...], inter: int) -> Alternatives:
+    """The checkpoint tensors of a stacked expert tensor (`key`, of `shape`): per-expert
+    ones, and for the weights transformers' fused tensor second (fp8 scales come only
+    per expert)."""
+    mlp, _, stacked = key.rpartition(".")
+    E = shape[0]
+    experts = f"model.{mlp}.experts"
+    if stacked == "w13":
+        return (
+            tuple(Piece(f"{experts}.{e}.{part}.weight", (inter, shape[2]), (e,), (k * inter, 0))
+                  for e in range(E) for k, part in enumerate(_W13_PARTS)),
+            (Piece(f"{experts}.gate_up_proj", shape),),
+        )
+    if stacked == "w2":
+        return (
+            tuple(Piece(f"{experts}.{e}.down_proj.weight", shape[1:], (e,)) for e in range(E)),
+            (Piece(f"{experts}.down_proj", shape),),
+        )
+    if stacked == "w13_scale_inv":  # [E, 2, ...]: the gate's blocks, then the up's
+        return (tuple(Piece(f"{experts}.{e}.{part}.weight_scale_inv", shape[2:], (e, k))
+                      for e in range(E) for k, part in enumerate(_W13_PARTS)),)
+    return (tuple(Piece(f"{experts}.{e}.down_proj.weight_scale_inv", shape[1:], (e,))
+                  for e in range(E)),)
 
 
 def ignored_weight(name: str, num_layers: int) -> bool:

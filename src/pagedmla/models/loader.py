@@ -16,8 +16,9 @@ A faulty checkpoint is a ValueError naming the file: JSON that does not parse, a
 config.json key missing or of the wrong type (named too), a shard that is truncated or
 lacks a tensor its index lists, a tensor the model lacks, does not have or that has
 another shape (all found from the headers, before the model's memory is allocated), and
-a weight that holds NaN or inf in the model's dtype (checked on the device as it is
-copied, fp8 ones once dequantized).
+a weight that holds NaN or inf in the dtype the model holds it in (checked on the
+device as it is copied: an fp8 weight kept in fp8 as stored, one dequantized once
+dequantized).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pagedmla.models.checkpoint import (
+    SCALE_SUFFIX,
     Checkpoint,
     block_size_of,
     iter_checkpoint_tensors,
@@ -44,6 +46,7 @@ from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM, ignored_weight, weight_index
 from pagedmla.models.shards import Alternatives, Index, Piece, RankShards, Shard
 from pagedmla.models.tiny import tiny_config, tiny_weights
+from pagedmla.ops.block_fp8 import all_finite
 from pagedmla.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
 __all__ = [
@@ -58,7 +61,8 @@ __all__ = [
 ]
 
 # The whole model (on the meta device) -> this rank's module and how it holds the
-# model's tensors (`pagedmla.distributed.tensor_parallel.shard_for`).
+# model's tensors (`pagedmla.distributed.tensor_parallel.shard_for`); a rank may hold a
+# block-fp8 tensor's part dequantized, in the model dtype.
 Sharder = Callable[[DeepseekForCausalLM], tuple[nn.Module, RankShards]]
 
 
@@ -159,7 +163,7 @@ def plan_model(
         checkpoint = Checkpoint(directory, block_size_of(config_dict, directory / "config.json"))
         tokenizer = load_tokenizer(directory, config_dict)
     whole = DeepseekForCausalLM(config, dtype, "meta", backend)
-    full = {key: (tuple(t.shape), t.dtype) for key, t in whole.state_dict().items()}
+    full = {key: tuple(t.shape) for key, t in whole.state_dict().items()}
     alternatives = whole.checkpoint_sources()
     if checkpoint is None:
         pieces = {key: alts[0] for key, alts in alternatives.items()}
@@ -171,12 +175,13 @@ def plan_model(
     sources: dict[str, TensorSource] = {}
     rank_tensors = module.state_dict()
     for rank_key, key in rank.full_keys.items():
-        shape, tensor_dtype = full[key]
+        shape = full[key]
         part = rank.shards.get(key)
         local = shape if part is None else part.shape(shape)
-        assert tuple(rank_tensors[rank_key].shape) == local, (rank_key, local)
+        held = rank_tensors[rank_key]  # its dtype may not be the whole model's: see Sharder
+        assert tuple(held.shape) == local, (rank_key, local)
         pads = part is not None and part.pads(shape)
-        sources[key] = TensorSource(local, tensor_dtype, part, pieces[key], pads)
+        sources[key] = TensorSource(local, held.dtype, part, pieces[key], pads)
     derived = sum(t.numel() * t.element_size() for t in decoder.derived_weights())
     return ModelPlan(str(model), config, config_dict, tokenizer, dtype, backend, module,
                      sources, dict(rank.full_keys), derived, shard, checkpoint)
@@ -204,7 +209,9 @@ def _chosen_pieces(
         )
     known = weight_index(alternatives)
     for name, entry in stored.items():
-        if name not in known and not ignored_weight(name, num_layers):
+        # A scale the model holds no tensor for is read with its weight, dequantized.
+        weight = name.removesuffix(SCALE_SUFFIX) if name in checkpoint.scales else name
+        if weight not in known and not ignored_weight(name, num_layers):
             raise ValueError(
                 f"{entry.file}: unknown weight {name!r}: the model has no tensor of that name"
             )
@@ -248,8 +255,8 @@ def load_planned(plan: ModelPlan, device: str | torch.device = "cpu") -> nn.Modu
         for file in tqdm(sorted(reads), desc="Loading checkpoint shards", unit="shard"):
             for key, name, index, dest in reads[file]:
                 view = tensors[key][dest]
-                view.copy_(checkpoint.read(name, index, plan.dtype))
-                if not torch.isfinite(view).all():
+                view.copy_(checkpoint.read(name, index, view.dtype))
+                if not all_finite(view):
                     raise ValueError(
                         f"{file}: weight {name!r} has NaN or inf values (as {view.dtype})"
                     )

@@ -15,28 +15,24 @@ import torch
 from torch import nn
 
 from pagedmla.models.config import DeepseekConfig
+from pagedmla.models.linear import BlockSize, Linear
+from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE, scale_grid
 from pagedmla.ops.registry import get_backend
 
 
-def empty_linear(
-    in_features: int, out_features: int, dtype: torch.dtype, device: torch.device | str
-) -> nn.Linear:
-    """nn.Linear without bias whose weight is left uninitialised (the checkpoint fills it)."""
-    return nn.utils.skip_init(
-        nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device
-    )
-
-
 class DenseMLP(nn.Module):
-    """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
+    """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]; block-fp8 weights with
+    `block_size`."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+        device: torch.device, block_size: BlockSize | None = None, backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.gate_proj = empty_linear(hidden_size, intermediate_size, dtype, device)
-        self.up_proj = empty_linear(hidden_size, intermediate_size, dtype, device)
-        self.down_proj = empty_linear(intermediate_size, hidden_size, dtype, device)
+        H, inter = hidden_size, intermediate_size
+        self.gate_proj = Linear.empty(H, inter, dtype, device, block_size, backend)
+        self.up_proj = Linear.empty(H, inter, dtype, device, block_size, backend)
+        self.down_proj = Linear.empty(inter, H, dtype, device, block_size, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -86,7 +82,10 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus always-on shared experts: x [T, H] -> [T, H].
 
-    Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+    Expert weights are stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I],
+    in the model dtype, or for a block-fp8 checkpoint (config.weight_block_size) in fp8
+    with `w13_scale_inv` [E, 2, ceil(I / bn), ceil(H / bk)] and `w2_scale_inv` [E,
+    ceil(H / bn), ceil(I / bk)] (`ops/block_fp8.py`).
     """
 
     def __init__(
@@ -97,10 +96,18 @@ class MoE(nn.Module):
         self.backend = backend
         E, H, inter = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.gate = Router(config, device)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=dtype, device=device))
+        block = self.block_size = config.weight_block_size
+        weight_dtype = dtype if block is None else FP8_WEIGHT_DTYPE
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H, dtype=weight_dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(E, H, inter, dtype=weight_dtype, device=device))
+        w13_scale = w2_scale = None
+        if block is not None:
+            w13_scale = torch.empty(E, 2, *scale_grid((inter, H), block), device=device)
+            w2_scale = torch.empty(E, *scale_grid((H, inter), block), device=device)
+        self.register_buffer("w13_scale_inv", w13_scale)
+        self.register_buffer("w2_scale_inv", w2_scale)
         self.shared_experts = (
-            DenseMLP(H, inter * config.n_shared_experts, dtype, device)
+            DenseMLP(H, inter * config.n_shared_experts, dtype, device, block, backend)
             if config.n_shared_experts
             else None
         )
@@ -118,4 +125,9 @@ class MoE(nn.Module):
         The backend's `fused_experts` does the work (the Triton one without a host
         synchronisation, so that decode steps with experts can be captured in graphs)."""
         ops = get_backend(self.backend, x.device)
-        return ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.block_size is None:
+            return ops.fused_experts(x, self.w13, self.w2, weights, ids)
+        return ops.fused_experts(
+            x, self.w13, self.w2, weights, ids, w13_scale_inv=self.w13_scale_inv,
+            w2_scale_inv=self.w2_scale_inv, block_size=self.block_size,
+        )

@@ -74,6 +74,14 @@ def dequantize_w13(
                       dequantize_blocks(up, scale_inv[1], block_size, dtype)])
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no element is NaN or inf; for float8_e4m3fn (no inf, and torch has no
+    isfinite for it) whether no element has the NaN bit pattern S.1111.111."""
+    if tensor.dtype == FP8_WEIGHT_DTYPE:
+        return not ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any().item()
+    return bool(torch.isfinite(tensor).all())
+
+
 def quantize_activations(
     x: torch.Tensor, group: int = DEFAULT_BLOCK_SIZE[1]
 ) -> tuple[torch.Tensor, torch.Tensor]:
