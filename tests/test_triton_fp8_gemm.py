@@ -323,3 +323,24 @@ def test_quantize_activations_gpu_bitwise_the_spec() -> None:
     want_codes, want_scales = quantize_activations(x, 128)
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+def test_bench_fp8_gemm_shapes_sweep_and_verdicts() -> None:
+    # The benchmark's tables (benchmarks/bench_fp8_gemm.py), host side only.
+    from benchmarks import bench_fp8_gemm as bench
+
+    assert set(bench.QUICK_SHAPES) <= set(bench.SHAPES)
+    for N, K in bench.SHAPES.values():
+        assert N > 0 and K % bench.BLOCK[1] == 0
+    for M in bench.TOKENS:
+        configs = bench.candidate_configs(M, 1536, 7168, 132)
+        assert pick_config(M, 1536, 7168, 128, 132) in configs
+        assert len(set(configs)) == len(configs)
+        assert all(c.block_m >= 16 and (M <= FUSED_MAX_M or not c.fused) for c in configs)
+    row = {"M": 1, "read_fraction": 0.9}
+    assert bench.verdict(row) == "pass" and bench.verdict({**row, "read_fraction": 0.8}) == "miss"
+    row = {"M": 2048, "vs_bf16": 1.7, "vs_scaled_mm": 0.95}
+    assert bench.verdict(row) == "pass"
+    assert bench.verdict({**row, "vs_scaled_mm": 0.8}) == "miss"
+    assert bench.verdict({"M": 2048, "vs_bf16": 1.7}) == "miss"  # no scaled_mm time
+    assert bench.verdict({"M": 256}) == "-"
