@@ -29,6 +29,7 @@ from pagedmla.ops.triton import fp8_gemm
 from pagedmla.ops.triton.fp8_gemm import (
     FUSED_MAX_M,
     Fp8GemmConfig,
+    fit_stages,
     fp8_linear,
     pick_config,
     split_steps,
@@ -173,8 +174,10 @@ def test_pick_config_paths_and_splits() -> None:
     assert pick_config(1, 576, 7168, 128, 132).split_k == 19
     assert pick_config(1, 7168, 16384, 128, 132).split_k == 3
     assert pick_config(8192, 24576, 1536, 128, 132).split_k == 1
-    # Stages that fit in shared memory: 64 float32 rows and W's tile, K steps of 256.
+    # Stages that fit in shared memory: 64 float32 rows and W's tile, K steps of 256;
+    # configs that fit are left as they are.
     assert pick_config(64, 1536, 7168, 256, 132, x_bytes=4).num_stages == 2
+    assert fit_stages(TINY_CONFIGS[0], 32, 4) == TINY_CONFIGS[0]
     for steps, tiles, programs in [(56, 12, 132), (56, 5, 132), (3, 1, 132), (1, 1, 8),
                                    (128, 56, 132), (16, 200, 132), (7, 2, 5)]:
         splits = split_steps(steps, tiles, programs)

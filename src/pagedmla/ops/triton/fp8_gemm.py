@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -103,10 +103,9 @@ def pick_config(M: int, N: int, K: int, bk: int, num_sms: int,
     | 65-256 | separate | 64 x 128, groups of 8 | 4, 4 | few row tiles |
     | 257+ | separate | 128 x 128, groups of 8 | 8, 3 | compute bound |
 
-    Stages drop until a stage's tiles (x's, in x_bytes when fused, and W's) fit
-    SHARED_BUDGET that many times. split_k: enough splits of the K steps that the tiles
-    x splits fill the GPU once (`split_steps`). `python -m benchmarks.bench_fp8_gemm
-    --sweep` times alternatives.
+    split_k: enough splits of the K steps that the tiles x splits fill the GPU once
+    (`split_steps`); stages as many as fit (`fit_stages`). `python -m
+    benchmarks.bench_fp8_gemm --sweep` times alternatives.
     """
     if M <= FUSED_MAX_M:
         block_m = max(16, next_pow2(M))
@@ -116,11 +115,18 @@ def pick_config(M: int, N: int, K: int, bk: int, num_sms: int,
     else:
         fused, block_m, group_m, warps, stages = False, 128, 8, 8, 3
     block_n = 128
-    stage_bytes = (block_m * (x_bytes if fused else 1) + block_n) * bk
-    stages = max(1, min(stages, SHARED_BUDGET // stage_bytes))
     tiles = cdiv(M, block_m) * cdiv(N, block_n)
-    return Fp8GemmConfig(fused, block_m, block_n, split_steps(cdiv(K, bk), tiles, num_sms),
-                         group_m, warps, stages)
+    config = Fp8GemmConfig(fused, block_m, block_n, split_steps(cdiv(K, bk), tiles, num_sms),
+                           group_m, warps, stages)
+    return fit_stages(config, bk, x_bytes)
+
+
+def fit_stages(config: Fp8GemmConfig, bk: int, x_bytes: int) -> Fp8GemmConfig:
+    """config with at most as many stages as SHARED_BUDGET holds of one stage's tiles
+    (x's [block_m, bk], in x_bytes when fused, and W's [bk, block_n] fp8)."""
+    stage_bytes = (config.block_m * (x_bytes if config.fused else 1) + config.block_n) * bk
+    return replace(config, num_stages=max(1, min(config.num_stages,
+                                                 SHARED_BUDGET // stage_bytes)))
 
 
 def split_steps(steps: int, tiles: int, programs: int) -> int:
@@ -306,7 +312,8 @@ def fp8_linear(
     [ceil(N / bn), ceil(K / bk)] float32 and block_size (bn, bk), x quantized per token
     and bk group (as `reference.fp8_linear`, which does not quantize x, but for that).
 
-    config: launch parameters (default `pick_config`). On GPUs below compute capability
+    config: launch parameters (default `pick_config`; stages cut to what shared memory
+    holds, `fit_stages`). On GPUs below compute capability
     8.9, or for a bk the kernels do not take (`K_STEPS`), `reference.fp8_linear` runs.
     """
     check_device(x, weight, scale_inv)
@@ -322,7 +329,8 @@ def fp8_linear(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0 or K == 0:
         return out.zero_().view(*lead, N)
-    c = config or pick_config(M, N, K, bk, multiprocessor_count(x.device), x.element_size())
+    c = fit_stages(config or pick_config(M, N, K, bk, multiprocessor_count(x.device)), bk,
+                   x.element_size())
     steps = cdiv(K, bk)
     per_split = cdiv(steps, c.split_k)
     splits = cdiv(steps, per_split)  # every split holds at least one step
