@@ -313,8 +313,8 @@ def fp8_linear(
     and bk group (as `reference.fp8_linear`, which does not quantize x, but for that).
 
     config: launch parameters (default `pick_config`; stages cut to what shared memory
-    holds, `fit_stages`). On GPUs below compute capability
-    8.9, or for a bk the kernels do not take (`K_STEPS`), `reference.fp8_linear` runs.
+    holds, `fit_stages`). On GPUs below compute capability 8.9, or for a bk the kernels
+    do not take (`K_STEPS`), `reference.fp8_linear` runs.
     """
     check_device(x, weight, scale_inv)
     _check(x, weight, scale_inv, block_size)
