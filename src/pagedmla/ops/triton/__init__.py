@@ -12,10 +12,11 @@ under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tes
 
 from __future__ import annotations
 
-from pagedmla.ops import Backend, reference
+from pagedmla.ops import Backend
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
+from pagedmla.ops.triton.fp8_gemm import fp8_linear
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
@@ -34,13 +35,14 @@ TRITON_BACKEND = Backend(
     add_rms_norm=add_rms_norm,
     rotary=rotary,
     fused_experts=fused_experts,
-    fp8_linear=reference.fp8_linear,
+    fp8_linear=fp8_linear,
     graph_safe=True,
 )
 
 __all__ = [
     "TRITON_BACKEND",
     "add_rms_norm",
+    "fp8_linear",
     "fused_experts",
     "gather_cache",
     "merge_attn_states",
