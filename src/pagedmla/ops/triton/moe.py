@@ -18,23 +18,52 @@ Each expert's weights are read once per block of its tokens: at decode batch siz
 (a few tokens per expert) that is once per step, the bound of a weight-read-bound
 layer. Pairs whose expert id is >= E (another rank's, under tensor parallelism) are
 left out and contribute 0.
+
+Block-fp8 experts (`ops/block_fp8.py`: e4m3 weights, one float32 scale per bn x bk
+block) run the same kernels with fp8 x fp8 dots, one K step per bk group:
+
+* `_quantize_kernel` first quantizes x once per token and bk group (amax / 448, as
+  `block_fp8.quantize_activations`), so the gate_up kernel gathers 1-byte rows that go
+  straight to the tensor cores (no per-tile quantization repeated for every I / BLOCK_N
+  column tile, none in the K loop);
+* each K step adds dot(a, w) * a_scale[row] * w_scale[column's block], in float32;
+* the gate_up kernel's column tile is one bk group of the intermediate, so its epilogue
+  quantizes silu(gate) * up itself and stores e4m3 rows with a scale per row and group:
+  the down kernel is a plain fp8 grouped GEMM.
+
+A group holding NaN gets a NaN scale (the GPU's max drops NaN), so a NaN in a token's x
+gives a NaN output row for that token, as in the reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedmla.ops.triton._utils import cdiv, check_device, dot_precision, next_pow2
+from pagedmla.ops import reference
+from pagedmla.ops.block_fp8 import E4M3_MAX, FP8_WEIGHT_DTYPE
+from pagedmla.ops.triton._utils import (
+    INTERPRETED,
+    cdiv,
+    check_device,
+    dot_precision,
+    next_pow2,
+)
+from pagedmla.ops.triton.cache_ops import _quantize_fp8
 
 
 @dataclass(frozen=True)
 class MoEConfig:
     """Launch parameters of both kernels: block_m rows (pairs) per block, block_n output
-    columns and block_k reduction columns per program step, warps, pipeline stages."""
+    columns and block_k reduction columns per program step, warps, pipeline stages.
+
+    With block-fp8 experts block_k is the weights' bk (one scale per K step) and the
+    gate_up kernel's column tile is block_k too (one quantization group of the
+    intermediate per program); block_n is then the down kernel's column tile only."""
 
     block_m: int
     block_n: int
@@ -48,8 +77,21 @@ class MoEConfig:
 # 16 x 128 and two of 128 x 128 at 3 stages).
 SHARED_BUDGET = 220 * 1024
 
+# Tokens per program of the activation quantization kernel.
+_QUANT_ROWS = 16
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 
-def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> MoEConfig:
+
+def _stage_bytes(c: MoEConfig, element_size: int, fp8: bool) -> int:
+    """Bytes of one pipeline stage of the larger kernel: the gate_up kernel's x tile and
+    two weight tiles, or (fp8, where the gate_up tile is block_k wide) the down
+    kernel's activation and weight tiles."""
+    gate_up_n = c.block_k if fp8 else c.block_n
+    return max(c.block_m + 2 * gate_up_n, c.block_m + c.block_n) * c.block_k * element_size
+
+
+def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
+                group: int | None = None) -> MoEConfig:
     """Rows per block about the pairs an expert gets, 16 (the MMA minimum) to 128.
 
     Tuned in bf16 with `python -m benchmarks.bench_moe --sweep` (block_m, block_n
@@ -57,22 +99,71 @@ def pick_config(num_pairs: int, num_experts: int, element_size: int = 2) -> MoEC
     bound) want long reduction steps; many rows want large tiles and 8 warps. Wider
     elements (float32) shrink stages, then block_k, then block_n until the gate_up
     kernel's buffered stages (an x tile and two weight tiles each) fit SHARED_BUDGET.
+
+    group: block-fp8 experts' bk, the block_k they need (`fused_experts` passes it).
+    Their blocks stop at 64 rows: the gate_up kernel adds each step's scaled dot
+    products to its two float32 accumulators, and at 128 rows and 8 warps the three
+    tiles spill registers (ptxas for sm_90a); 1-byte tiles leave room for more stages.
+    Chosen from ptxas reports, not yet timed on a GPU (`bench_moe --sweep --fp8`).
     """
+    fp8 = group is not None
     block_m = min(128, max(16, next_pow2(cdiv(num_pairs, num_experts))))
-    if block_m >= 64:
+    if fp8:
+        block_m = min(block_m, 64)
+        c = MoEConfig(block_m, block_n=128, block_k=group, num_warps=4 if block_m == 16 else 8,
+                      num_stages=5 if block_m == 16 else 4)
+        element_size = 1
+    elif block_m >= 64:
         c = MoEConfig(block_m, block_n=128, block_k=64, num_warps=8, num_stages=4)
     else:
         c = MoEConfig(block_m, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    stage_bytes = (c.block_m + 2 * c.block_n) * c.block_k * element_size
-    while (c.num_stages - 1) * stage_bytes > SHARED_BUDGET:
+    while (c.num_stages - 1) * _stage_bytes(c, element_size, fp8) > SHARED_BUDGET:
         if c.num_stages > 2:
             c = replace(c, num_stages=c.num_stages - 1)
-        elif c.block_k > 32:
+        elif c.block_k > 32 and not fp8:
             c = replace(c, block_k=c.block_k // 2)
-        else:
+        elif c.block_n > 16:
             c = replace(c, block_n=c.block_n // 2)
-        stage_bytes = (c.block_m + 2 * c.block_n) * c.block_k * element_size
+        else:
+            break
     return c
+
+
+def fp8_dot_supported(device: torch.device) -> bool:
+    """Whether tl.dot takes e4m3 operands on `device`: CUDA compute capability 8.9 or
+    later, or CPU tensors under the interpreter."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@triton.jit
+def _quantize_rows(v, SOFTWARE_ROUND: tl.constexpr):
+    """v [R, G] float32 -> (v / s in e4m3, s [R]), s = amax(|v| over the row) / 448: one
+    scale per row, as `block_fp8.quantize_activations` (a zero row gets s = 0 and zeros,
+    a row holding NaN s = NaN). SOFTWARE_ROUND: see `cache_ops._quantize_fp8`."""
+    # The GPU's max drops NaN: add the row's sum of its NaNs (0 if none).
+    amax = tl.max(tl.abs(v), axis=1) + tl.sum(tl.where(v != v, v, 0.0), axis=1)
+    s = tl.math.div_rn(amax, _E4M3_MAX)
+    q = _quantize_fp8(v, tl.where(s == 0.0, 1.0, s)[:, None], SOFTWARE_ROUND)
+    return q.to(tl.float8e4nv), s
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, stride_xt, T, K, groups,
+                     ROWS: tl.constexpr, GROUP: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """q[t, g-th group], scale[t, g] = _quantize_rows(x[t, g-th group]); grid (T / ROWS,
+    groups)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    row_ok = rows < T
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows = rows.to(tl.int64)
+    v = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=mask, other=0.0)
+    q, s = _quantize_rows(v.to(tl.float32), SOFTWARE_ROUND)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(scale_ptr + rows * groups + tl.program_id(1), s, mask=row_ok)
 
 
 @triton.jit
@@ -88,10 +179,15 @@ def _block_rows(row_pair_ptr, k, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, block_expert_ptr, row_pair_ptr,
     stride_xt, stride_we, stride_wn, num_experts, k, H, inter_size,
+    x_scale_ptr, w13_scale_ptr, inter_scale_ptr, SCALE_BN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
 ):
-    """inter[rows, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n])."""
+    """inter[rows, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]).
+
+    FP8: x and w13 in e4m3 with scales x_scale [T, H / BLOCK_K] and w13_scale [E, 2,
+    I / SCALE_BN, H / BLOCK_K] (BLOCK_K = the weights' bk); inter stored in e4m3 with
+    inter_scale [rows, I / BLOCK_N] (BLOCK_N = BLOCK_K: one group per program)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= num_experts:
         return  # a block past the used ones
@@ -104,6 +200,12 @@ def _gate_up_kernel(
     up_rows = gate_rows + inter_size * stride_wn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        groups = tl.cdiv(H, BLOCK_K)
+        half = tl.cdiv(inter_size, SCALE_BN) * groups  # one projection's scales
+        x_scales = x_scale_ptr + token * groups
+        gate_scales = w13_scale_ptr + expert * 2 * half + (cols // SCALE_BN) * groups
+        up_scales = gate_scales + half
     for start in range(0, H, BLOCK_K):
         k_ok = start + kk < H
         a = tl.load(x_rows + start + kk[None, :], mask=has_pair[:, None] & k_ok[None, :],
@@ -111,21 +213,40 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_rows + start + kk[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(up_rows + start + kk[:, None], mask=w_mask, other=0.0)
-        gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
-        up = tl.dot(a, w_up, up, input_precision=PRECISION)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :],
-             act.to(inter_ptr.dtype.element_ty), mask=has_pair[:, None] & col_ok[None, :])
+        if FP8:
+            group = start // BLOCK_K
+            a_s = tl.load(x_scales + group, mask=has_pair, other=0.0)
+            g_s = tl.load(gate_scales + group, mask=col_ok, other=0.0)
+            u_s = tl.load(up_scales + group, mask=col_ok, other=0.0)
+            gate += tl.dot(a, w_gate) * (a_s[:, None] * g_s[None, :])
+            up += tl.dot(a, w_up) * (a_s[:, None] * u_s[None, :])
+        else:
+            gate = tl.dot(a, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(a, w_up, up, input_precision=PRECISION)
+    act = gate / (1.0 + tl.exp(-gate)) * up  # columns past I are 0: no effect on amax
+    if FP8:
+        q, s = _quantize_rows(act, SOFTWARE_ROUND)
+        tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], q,
+                 mask=has_pair[:, None] & col_ok[None, :])
+        groups_out = tl.cdiv(inter_size, BLOCK_N)
+        tl.store(inter_scale_ptr + rows * groups_out + tl.program_id(1), s, mask=has_pair)
+    else:
+        tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :],
+                 act.to(inter_ptr.dtype.element_ty), mask=has_pair[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
     inter_ptr, w2_ptr, weight_ptr, y_ptr, block_expert_ptr, row_pair_ptr,
     stride_we, stride_wh, num_experts, k, H, inter_size,
+    inter_scale_ptr, w2_scale_ptr, SCALE_BN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr,
 ):
-    """y[pair, n] = routing weight[pair] * (inter[rows] . w2[e, n]), in float32."""
+    """y[pair, n] = routing weight[pair] * (inter[rows] . w2[e, n]), in float32.
+
+    FP8: inter and w2 in e4m3 with scales inter_scale [rows, I / BLOCK_K] and w2_scale
+    [E, H / SCALE_BN, I / BLOCK_K]."""
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= num_experts:
         return
@@ -135,13 +256,24 @@ def _down_kernel(
     kk = tl.arange(0, BLOCK_K)
     w_rows = w2_ptr + expert * stride_we + cols.to(tl.int64)[None, :] * stride_wh
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        groups = tl.cdiv(inter_size, BLOCK_K)
+        a_scales = inter_scale_ptr + rows * groups
+        w_scales = (w2_scale_ptr + expert * tl.cdiv(H, SCALE_BN) * groups
+                    + (cols // SCALE_BN) * groups)
     for start in range(0, inter_size, BLOCK_K):
         k_ok = start + kk < inter_size
         a = tl.load(inter_ptr + rows[:, None] * inter_size + start + kk[None, :],
                     mask=has_pair[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + start + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if FP8:
+            group = start // BLOCK_K
+            a_s = tl.load(a_scales + group, mask=has_pair, other=0.0)
+            w_s = tl.load(w_scales + group, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     scale = tl.load(weight_ptr + pair, mask=has_pair, other=0.0)
     tl.store(y_ptr + pair[:, None] * H + cols[None, :], acc * scale[:, None],
              mask=has_pair[:, None] & col_ok[None, :])
@@ -181,14 +313,47 @@ def block_layout(
     return block_expert.to(torch.int32), row_pair[:size]
 
 
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, ceil(K / group)]), on the device, as
+    `block_fp8.quantize_activations` (group: a power of two)."""
+    T, K = x.shape
+    groups = cdiv(K, group)
+    q = torch.empty(T, K, dtype=FP8_WEIGHT_DTYPE, device=x.device)
+    scales = torch.empty(T, groups, dtype=torch.float32, device=x.device)
+    if T and K:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _quantize_kernel[(cdiv(T, _QUANT_ROWS), groups)](
+            x, q, scales, x.stride(0), T, K, groups, ROWS=_QUANT_ROWS, GROUP=group,
+            SOFTWARE_ROUND=INTERPRETED)
+    return q, scales
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-    ids: torch.Tensor, config: MoEConfig | None = None,
+    ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None, block_size: Sequence[int] | None = None,
+    config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """As `reference.fused_experts`: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing
     weights [T, k] float32 and ids [T, k] -> [T, H] in x's dtype. config: launch
-    parameters (default `pick_config`)."""
+    parameters (default `pick_config`).
+
+    Block-fp8 experts (w13, w2 in float8_e4m3fn with w13_scale_inv [E, 2, ceil(I / bn),
+    ceil(H / bk)], w2_scale_inv [E, ceil(H / bn), ceil(I / bk)], block_size (bn, bk), bk
+    a power of two of at least 16) run fp8 dots on activations quantized per token and
+    bk group (x, and silu(gate) * up); a config must then have block_k = bk. On a CUDA
+    device older than compute capability 8.9 they run the reference (which synchronises
+    with the host).
+    """
     check_device(x, w13, w2, weights, ids)
+    fp8 = w13_scale_inv is not None
+    if fp8 != (w2_scale_inv is not None) or fp8 != (block_size is not None):
+        raise ValueError("block-fp8 experts need w13_scale_inv, w2_scale_inv and block_size "
+                         f"together; got w13_scale_inv {_given(w13_scale_inv)}, "
+                         f"w2_scale_inv {_given(w2_scale_inv)}, block_size {block_size}")
+    if fp8 and not fp8_dot_supported(x.device):
+        return reference.fused_experts(x, w13, w2, weights, ids, w13_scale_inv,
+                                       w2_scale_inv, tuple(block_size))
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -196,23 +361,45 @@ def fused_experts(
     y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
     if T == 0 or E == 0:
         return y.view(T, k, H).sum(1).to(x.dtype)
+    out_dtype = x.dtype
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     weights = weights.reshape(-1).float().contiguous()
-    c = config or pick_config(T * k, E, x.element_size())
+    if fp8:
+        bn, bk = block_size
+        c = config or pick_config(T * k, E, group=bk)
+        if c.block_k != bk:
+            raise ValueError(f"config.block_k must be the weights' bk {bk} for block-fp8 "
+                             f"experts, got {c.block_k}")
+        x, x_scale = quantize_activations(x, bk)
+        scales = (x_scale, w13_scale_inv.float().contiguous())
+        down_scales = (w2_scale_inv.float().contiguous(),)
+        inter_dtype, gate_up_n, precision = FP8_WEIGHT_DTYPE, bk, "tf32"
+    else:
+        bn = 0
+        c = config or pick_config(T * k, E, x.element_size())
+        scales, down_scales = (None, None), (None,)
+        inter_dtype, gate_up_n, precision = x.dtype, c.block_n, dot_precision(x.dtype)
     block_expert, row_pair = block_layout(ids, E, c.block_m)
     num_blocks = block_expert.shape[0]
-    inter = torch.empty(num_blocks * c.block_m, inter_size, dtype=x.dtype, device=x.device)
-    precision = dot_precision(x.dtype)
-    common = dict(PRECISION=precision, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                  BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-    _gate_up_kernel[(num_blocks, cdiv(inter_size, c.block_n))](
+    rows = num_blocks * c.block_m
+    inter = torch.empty(rows, inter_size, dtype=inter_dtype, device=x.device)
+    inter_scale = (torch.empty(rows, cdiv(inter_size, gate_up_n), dtype=torch.float32,
+                               device=x.device) if fp8 else None)
+    common = dict(SCALE_BN=bn, PRECISION=precision, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
+                  FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
+    _gate_up_kernel[(num_blocks, cdiv(inter_size, gate_up_n))](
         x, w13, inter, block_expert, row_pair, x.stride(0), w13.stride(0), w13.stride(1),
-        E, k, H, inter_size, **common,
+        E, k, H, inter_size, *scales, inter_scale, BLOCK_N=gate_up_n,
+        SOFTWARE_ROUND=INTERPRETED, **common,
     )
     _down_kernel[(num_blocks, cdiv(H, c.block_n))](
         inter, w2, weights, y, block_expert, row_pair, w2.stride(0), w2.stride(1),
-        E, k, H, inter_size, **common,
+        E, k, H, inter_size, inter_scale, *down_scales, BLOCK_N=c.block_n, **common,
     )
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    return y.view(T, k, H).sum(1).to(out_dtype)
+
+
+def _given(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"a tensor of shape {tuple(t.shape)}"
