@@ -131,23 +131,30 @@ def _mlp_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ..
     }
 
 
-def tiny_weights(config: Mapping[str, Any], seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic float32 weights for `config`, as (Hugging Face name, tensor).
+def tiny_weights(
+    config: Mapping[str, Any], seed: int = 0, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic float32 weights for `config`, as (Hugging Face name, tensor), drawn
+    on `device` (a GPU draws real-size shapes fast; the values depend on the device).
 
     Linear weights are N(0, 1/fan_in) so activations keep unit scale and test
     tolerances can be tight; embeddings N(0, 1); norm weights ones; the router bias
     small but non-zero so that it changes which experts are picked.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device)
+
     for name, shape in weight_shapes(config).items():
         if name.endswith("e_score_correction_bias"):
-            yield name, 0.05 * torch.randn(shape, generator=gen)
+            yield name, 0.05 * randn(shape)
         elif len(shape) == 1:
-            yield name, torch.ones(shape)
+            yield name, torch.ones(shape, device=device)
         elif name == "model.embed_tokens.weight":
-            yield name, torch.randn(shape, generator=gen)
+            yield name, randn(shape)
         else:
-            yield name, torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+            yield name, randn(shape) / math.sqrt(shape[1])
 
 
 def _is_fp8_candidate(name: str, tensor: torch.Tensor) -> bool:
@@ -177,6 +184,7 @@ def write_tiny_checkpoint(
     seed: int = 0,
     config: Mapping[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """Save the tiny model as a Hugging Face style checkpoint directory; return its path.
 
@@ -187,7 +195,8 @@ def write_tiny_checkpoint(
     `quantization_config`, and every scale goes into the second shard so that a
     loader must find companions across shards. `config` replaces the tiny config (random
     weights of any DeepSeek shape, e.g. for benchmarks). `dtype`: the dtype the tensors
-    that are not fp8 are stored in (e.g. bfloat16 for a 16-bit checkpoint).
+    that are not fp8 are stored in (e.g. bfloat16 for a 16-bit checkpoint). `device`:
+    where the weights are drawn and quantized, one tensor at a time.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -199,17 +208,15 @@ def write_tiny_checkpoint(
             "activation_scheme": "dynamic",
             "weight_block_size": list(FP8_BLOCK),
         }
-    weights = dict(tiny_weights(config, seed))
-    names = list(weights)
+    half = len(weight_shapes(config)) // 2
     files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     shards: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
-    for index, name in enumerate(names):
-        tensor = weights[name]
-        shard = shards[0] if index < len(names) // 2 else shards[1]
+    for index, (name, tensor) in enumerate(tiny_weights(config, seed, device)):
+        shard = shards[0] if index < half else shards[1]
         if fp8 and _is_fp8_candidate(name, tensor):
             tensor, scale_inv = _quantize_fp8_blocks(tensor)
-            shards[1][f"{name}_scale_inv"] = scale_inv
-        shard[name] = tensor if tensor.dtype == FP8 else tensor.to(dtype)
+            shards[1][f"{name}_scale_inv"] = scale_inv.cpu()
+        shard[name] = (tensor if tensor.dtype == FP8 else tensor.to(dtype)).cpu()
     weight_map = {}
     for file, shard in zip(files, shards):
         save_file(shard, str(directory / file), metadata={"format": "pt"})
