@@ -28,7 +28,7 @@ from pagedmla.ops.block_fp8 import quantize_activations as spec_quantize
 pytest.importorskip("triton")
 
 from pagedmla.ops.triton import TRITON_BACKEND
-from pagedmla.ops.triton.moe import quantize_activations
+from pagedmla.ops.triton.fp8_quant import quantize_activations
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 
 from pagedmla.ops import reference
 from pagedmla.ops.block_fp8 import E4M3_MAX, quantize_activations, scale_grid
-from pagedmla.ops.triton import fp8_gemm
+from pagedmla.ops.triton import fp8_gemm, fp8_quant
 from pagedmla.ops.triton.fp8_gemm import (
     FUSED_MAX_M,
     Fp8GemmConfig,
@@ -149,7 +149,7 @@ def test_quantize_activations_small_bitwise_the_spec() -> None:
     x = (torch.randn(37, 100, generator=gen) * 3).to(DEVICE)
     x[5, :32] = 0
     x[7, 70] = math.nan
-    codes, scales = fp8_gemm.quantize_activations(x, 32)
+    codes, scales = fp8_quant.quantize_activations(x, 32)
     want_codes, want_scales = quantize_activations(x, 32)
     assert codes.shape == (37, 100) and scales.shape == (37, 4)
     assert torch.equal(scales.isnan(), want_scales.isnan())
@@ -217,7 +217,7 @@ def test_fp8_linear_falls_back_to_the_reference(monkeypatch) -> None:
     x, weight, scale_inv = case(3, 40, 96, (32, 48), torch.float32, seed=2)
     assert torch.equal(fp8_linear(x, weight, scale_inv, (32, 48)),
                        reference.fp8_linear(x, weight, scale_inv, (32, 48)))
-    monkeypatch.setattr(fp8_gemm, "_fp8_dot_runs", lambda device: False)
+    monkeypatch.setattr(fp8_gemm, "fp8_dot_runs", lambda device: False)
     x, weight, scale_inv = case(3, 40, 64, (32, 32), torch.float32, seed=2)
     assert torch.equal(fp8_linear(x, weight, scale_inv, (32, 32)),
                        reference.fp8_linear(x, weight, scale_inv, (32, 32)))
@@ -322,7 +322,7 @@ def test_fp8_linear_gpu_ignores_stale_memory(M: int) -> None:
 @cuda
 def test_quantize_activations_gpu_bitwise_the_spec() -> None:
     x = case(300, 8, 7168, (128, 128), torch.bfloat16, seed=16)[0]
-    codes, scales = fp8_gemm.quantize_activations(x, 128)
+    codes, scales = fp8_quant.quantize_activations(x, 128)
     want_codes, want_scales = quantize_activations(x, 128)
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))

@@ -12,23 +12,21 @@ over steps run in float32, outside them). Two ways to get x_fp8, one `Fp8GemmCon
 field apart (`pick_config` chooses by rows):
 
 * fused (few rows: decode, weight-read bound): each program quantizes its own
-  [BLOCK_M, bk] tiles of x in registers; a tile row is one whole group, so its amax is
-  the group's. Every column tile redoes this, which costs little next to reading W.
-* separate (many rows: prefill, compute bound): `quantize_activations` writes x_fp8
-  [M, K] and scales [K / bk, M] (each step's scales contiguous across rows) once, then
-  the GEMM reads them; the GEMM's programs run in groups of `group_m` row tiles over
-  the same column tiles so that W's tiles are reused from L2.
+  [BLOCK_M, bk] tiles of x in registers (`fp8_quant.quantize_rows`); a tile row is one
+  whole group, so its amax is the group's. Every column tile redoes this, which costs
+  little next to reading W.
+* separate (many rows: prefill, compute bound): `fp8_quant.quantize_activations` writes
+  x_fp8 [M, K] and scales [K / bk, M] (each step's scales contiguous across rows) once,
+  then the GEMM reads them; the GEMM's programs run in groups of `group_m` row tiles
+  over the same column tiles so that W's tiles are reused from L2.
 
 Where the output tiles alone cannot fill the GPU (q_a N=1536 and kv_a N=576 at decode),
 `split_k` programs share a tile's K steps, each writing a float32 partial [split_k, M,
 N]; a second kernel sums them in a fixed order: no atomics, the same bits every run.
 
-Quantization matches `block_fp8.quantize_activations` bit for bit: scale = amax / 448
-(NaN when the group holds NaN: the row of y becomes NaN), codes = x / scale rounded to
-nearest even (zeros for an all-zero group); both divisions are IEEE-rounded
-(`tl.math.div_rn`; Triton's `/` is an approximate division), the rounding to e4m3 is
-the cache writer's (`cache_ops._quantize_fp8`, which also rounds right in Triton's
-interpreter).
+Either way the quantization is `fp8_quant`'s, bit for bit
+`block_fp8.quantize_activations`: a group holding NaN gets a NaN scale, and the row of y
+becomes NaN.
 
 Nothing here reads device values on the host or sizes memory by them: the op can be
 captured in a CUDA graph. The fp8 tensor-core dot needs compute capability 8.9 (Ada,
@@ -38,7 +36,6 @@ Hopper) and a K step of at least 32; on older GPUs, or with bk not a power of tw
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -47,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pagedmla.ops import reference
-from pagedmla.ops.block_fp8 import E4M3_MAX, FP8_WEIGHT_DTYPE, scale_grid
+from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE, scale_grid
 from pagedmla.ops.triton._utils import (
     INTERPRETED,
     cdiv,
@@ -56,9 +53,7 @@ from pagedmla.ops.triton._utils import (
     multiprocessor_count,
     next_pow2,
 )
-from pagedmla.ops.triton.cache_ops import _quantize_fp8
-
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
+from pagedmla.ops.triton.fp8_quant import fp8_dot_runs, quantize_activations, quantize_rows
 
 # K steps (= bk) the kernels take: the fp8 dot needs K >= 32; 256 bounds the tiles'
 # shared memory.
@@ -139,24 +134,6 @@ def split_steps(steps: int, tiles: int, programs: int) -> int:
 
 
 @triton.jit
-def _nan_max(a, b):
-    """max that returns NaN when either side is NaN (tl.max drops NaN)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _quantize_rows(a, INTERPRETED: tl.constexpr):
-    """a [BLOCK_M, BLOCK_K] float32, each row one group -> (codes [BLOCK_M, BLOCK_K]
-    float8e4nv, scales [BLOCK_M] float32), as `block_fp8.quantize_activations` (but for
-    the codes of a row whose scale is NaN, which come out finite: its products are NaN
-    all the same)."""
-    amax = tl.reduce(tl.abs(a), 1, _nan_max)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32))
-    divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale)[:, None], a.shape)
-    return _quantize_fp8(a, divisor, INTERPRETED).to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program pid's (row tile, column tile): groups of GROUP_M row tiles, each group
     going over every column tile, its row tiles one after another on each."""
@@ -207,7 +184,7 @@ def _fp8_gemm_kernel(
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         # -- the step's scales: x's per row, W's per column --
         if QUANTIZE_A:
-            a, a_scale = _quantize_rows(a.to(tl.float32), INTERPRETED)
+            a, a_scale = quantize_rows(a.to(tl.float32), INTERPRETED)
         else:
             a_scale = tl.load(a_scale_ptr + step * stride_as + rm, mask=m_ok, other=0.0)
         if SCALE_PER_TILE:
@@ -234,58 +211,8 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sk,
-    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Codes and scales of BLOCK_M rows of x in group pid(1): q[m, k] and s[group, m]."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    group = tl.program_id(1)
-    k = group * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    mask = m_ok[:, None] & (k < K)[None, :]
-    rows = rm.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_xm + k[None, :], mask=mask, other=0.0)
-    codes, scale = _quantize_rows(x.to(tl.float32), INTERPRETED)
-    tl.store(q_ptr + rows * stride_qm + k[None, :], codes, mask=mask)
-    tl.store(s_ptr + group * stride_sk + rm, scale, mask=m_ok)
-
-
-# Rows per program of the quantization kernel, elements per program of the sum.
-_QUANT_ROWS = 32
+# Elements per program of the sum.
 _SUM_BLOCK = 1024
-
-
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows may be strided) -> (codes [M, K] float8_e4m3fn, scales [M, ceil(K /
-    group)] float32), bitwise `block_fp8.quantize_activations` (but for the codes of a
-    group whose scale is NaN, finite here).
-
-    The scales are a transposed view of a [ceil(K / group), M] tensor (each group's
-    scales contiguous across rows: one load per K step in the GEMM); the codes' rows
-    start every multiple of 16 bytes (vector loads whatever K).
-    """
-    check_device(x)
-    x = last_dim_contiguous(x)
-    M, K = x.shape
-    groups = cdiv(K, group)
-    codes = torch.empty(M, cdiv(K, 16) * 16, dtype=FP8_WEIGHT_DTYPE, device=x.device)[:, :K]
-    scales = torch.empty(groups, M, dtype=torch.float32, device=x.device)
-    if M and K:
-        _quantize_kernel[(cdiv(M, _QUANT_ROWS), groups)](
-            x, codes, scales, M, K, x.stride(0), codes.stride(0), scales.stride(0),
-            INTERPRETED=INTERPRETED, BLOCK_M=_QUANT_ROWS, BLOCK_K=group, num_warps=4)
-    return codes, scales.t()
-
-
-@functools.cache  # once per device: asked on every call
-def _fp8_dot_runs(device: torch.device) -> bool:
-    """Whether the fp8 tensor-core dot runs on `device` (compute capability >= 8.9, or
-    Triton's interpreter on CPU tensors)."""
-    if device.type != "cuda":
-        return True  # check_device has let only the interpreter through
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -319,7 +246,7 @@ def fp8_linear(
     check_device(x, weight, scale_inv)
     _check(x, weight, scale_inv, block_size)
     bn, bk = block_size
-    if bk not in K_STEPS or not _fp8_dot_runs(x.device):
+    if bk not in K_STEPS or not fp8_dot_runs(x.device):
         return reference.fp8_linear(x, weight, scale_inv, block_size)
     N, K = weight.shape
     lead = x.shape[:-1]

@@ -22,17 +22,20 @@ left out and contribute 0.
 Block-fp8 experts (`ops/block_fp8.py`: e4m3 weights, one float32 scale per bn x bk
 block) run the same kernels with fp8 x fp8 dots, one K step per bk group:
 
-* `_quantize_kernel` first quantizes x once per token and bk group (amax / 448, as
-  `block_fp8.quantize_activations`), so the gate_up kernel gathers 1-byte rows that go
-  straight to the tensor cores (no per-tile quantization repeated for every I / BLOCK_N
-  column tile, none in the K loop);
+* `fp8_quant.quantize_activations` first quantizes x once per token and bk group
+  (amax / 448, as `block_fp8.quantize_activations`), so the gate_up kernel gathers
+  1-byte rows that go straight to the tensor cores (no per-tile quantization repeated
+  for every I / BLOCK_N column tile, none in the K loop);
 * each K step adds dot(a, w) * a_scale[row] * w_scale[column's block], in float32;
 * the gate_up kernel's column tile is one bk group of the intermediate, so its epilogue
-  quantizes silu(gate) * up itself and stores e4m3 rows with a scale per row and group:
-  the down kernel is a plain fp8 grouped GEMM.
+  quantizes silu(gate) * up itself (`fp8_quant.quantize_rows`) and stores e4m3 rows
+  with a scale per row and group: the down kernel is a plain fp8 grouped GEMM.
 
-A group holding NaN gets a NaN scale (the GPU's max drops NaN), so a NaN in a token's x
-gives a NaN output row for that token, as in the reference.
+The kernels read x's and the intermediate's scales through their strides; both are
+stored group-major (a group's scales contiguous across rows, as
+`fp8_quant.quantize_activations` writes x's: one piece per K step of the down kernel).
+A group holding NaN gets a NaN scale, so a NaN in a token's x gives a NaN output row for
+that token, as in the reference.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import triton
 import triton.language as tl
 
 from pagedmla.ops import reference
-from pagedmla.ops.block_fp8 import E4M3_MAX, FP8_WEIGHT_DTYPE
+from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE
 from pagedmla.ops.triton._utils import (
     INTERPRETED,
     cdiv,
@@ -53,7 +56,7 @@ from pagedmla.ops.triton._utils import (
     dot_precision,
     next_pow2,
 )
-from pagedmla.ops.triton.cache_ops import _quantize_fp8
+from pagedmla.ops.triton.fp8_quant import fp8_dot_runs, quantize_activations, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,6 @@ class MoEConfig:
 # Triton buffers num_stages - 1 sets of a loop's tiles (2 x 136 KB for float32 tiles of
 # 16 x 128 and two of 128 x 128 at 3 stages).
 SHARED_BUDGET = 220 * 1024
-
-# Tokens per program of the activation quantization kernel.
-_QUANT_ROWS = 16
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
 
 
 def _stage_bytes(c: MoEConfig, element_size: int, fp8: bool) -> int:
@@ -129,43 +128,6 @@ def pick_config(num_pairs: int, num_experts: int, element_size: int = 2,
     return c
 
 
-def fp8_dot_supported(device: torch.device) -> bool:
-    """Whether tl.dot takes e4m3 operands on `device`: CUDA compute capability 8.9 or
-    later, or CPU tensors under the interpreter."""
-    if device.type != "cuda":
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-@triton.jit
-def _quantize_rows(v, SOFTWARE_ROUND: tl.constexpr):
-    """v [R, G] float32 -> (v / s in e4m3, s [R]), s = amax(|v| over the row) / 448: one
-    scale per row, as `block_fp8.quantize_activations` (a zero row gets s = 0 and zeros,
-    a row holding NaN s = NaN). SOFTWARE_ROUND: see `cache_ops._quantize_fp8`."""
-    # The GPU's max drops NaN: add the row's sum of its NaNs (0 if none).
-    amax = tl.max(tl.abs(v), axis=1) + tl.sum(tl.where(v != v, v, 0.0), axis=1)
-    s = tl.math.div_rn(amax, _E4M3_MAX)
-    q = _quantize_fp8(v, tl.where(s == 0.0, 1.0, s)[:, None], SOFTWARE_ROUND)
-    return q.to(tl.float8e4nv), s
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, stride_xt, T, K, groups,
-                     ROWS: tl.constexpr, GROUP: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """q[t, g-th group], scale[t, g] = _quantize_rows(x[t, g-th group]); grid (T / ROWS,
-    groups)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    row_ok = rows < T
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    rows = rows.to(tl.int64)
-    v = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :], mask=mask, other=0.0)
-    q, s = _quantize_rows(v.to(tl.float32), SOFTWARE_ROUND)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(scale_ptr + rows * groups + tl.program_id(1), s, mask=row_ok)
-
-
 @triton.jit
 def _block_rows(row_pair_ptr, k, BLOCK_M: tl.constexpr):
     """Block pid(0)'s rows, their pair ids (-1: padding), which rows hold a pair, and
@@ -179,15 +141,17 @@ def _block_rows(row_pair_ptr, k, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, block_expert_ptr, row_pair_ptr,
     stride_xt, stride_we, stride_wn, num_experts, k, H, inter_size,
-    x_scale_ptr, w13_scale_ptr, inter_scale_ptr, SCALE_BN: tl.constexpr,
+    x_scale_ptr, stride_xst, stride_xsg, w13_scale_ptr,
+    inter_scale_ptr, stride_isr, stride_isg, SCALE_BN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
 ):
     """inter[rows, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, I + n]).
 
-    FP8: x and w13 in e4m3 with scales x_scale [T, H / BLOCK_K] and w13_scale [E, 2,
-    I / SCALE_BN, H / BLOCK_K] (BLOCK_K = the weights' bk); inter stored in e4m3 with
-    inter_scale [rows, I / BLOCK_N] (BLOCK_N = BLOCK_K: one group per program)."""
+    FP8: x and w13 in e4m3 with scales x_scale [T, H / BLOCK_K] (strides stride_xst,
+    stride_xsg) and w13_scale [E, 2, I / SCALE_BN, H / BLOCK_K] (BLOCK_K = the weights'
+    bk); inter stored in e4m3 with inter_scale [rows, I / BLOCK_N] (strides stride_isr,
+    stride_isg; BLOCK_N = BLOCK_K: one group per program)."""
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= num_experts:
         return  # a block past the used ones
@@ -203,7 +167,7 @@ def _gate_up_kernel(
     if FP8:
         groups = tl.cdiv(H, BLOCK_K)
         half = tl.cdiv(inter_size, SCALE_BN) * groups  # one projection's scales
-        x_scales = x_scale_ptr + token * groups
+        x_scales = x_scale_ptr + token * stride_xst
         gate_scales = w13_scale_ptr + expert * 2 * half + (cols // SCALE_BN) * groups
         up_scales = gate_scales + half
     for start in range(0, H, BLOCK_K):
@@ -215,7 +179,7 @@ def _gate_up_kernel(
         w_up = tl.load(up_rows + start + kk[:, None], mask=w_mask, other=0.0)
         if FP8:
             group = start // BLOCK_K
-            a_s = tl.load(x_scales + group, mask=has_pair, other=0.0)
+            a_s = tl.load(x_scales + group * stride_xsg, mask=has_pair, other=0.0)
             g_s = tl.load(gate_scales + group, mask=col_ok, other=0.0)
             u_s = tl.load(up_scales + group, mask=col_ok, other=0.0)
             gate += tl.dot(a, w_gate) * (a_s[:, None] * g_s[None, :])
@@ -225,11 +189,11 @@ def _gate_up_kernel(
             up = tl.dot(a, w_up, up, input_precision=PRECISION)
     act = gate / (1.0 + tl.exp(-gate)) * up  # columns past I are 0: no effect on amax
     if FP8:
-        q, s = _quantize_rows(act, SOFTWARE_ROUND)
+        q, s = quantize_rows(act, SOFTWARE_ROUND)
         tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], q,
                  mask=has_pair[:, None] & col_ok[None, :])
-        groups_out = tl.cdiv(inter_size, BLOCK_N)
-        tl.store(inter_scale_ptr + rows * groups_out + tl.program_id(1), s, mask=has_pair)
+        tl.store(inter_scale_ptr + rows * stride_isr + tl.program_id(1) * stride_isg, s,
+                 mask=has_pair)
     else:
         tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :],
                  act.to(inter_ptr.dtype.element_ty), mask=has_pair[:, None] & col_ok[None, :])
@@ -239,14 +203,14 @@ def _gate_up_kernel(
 def _down_kernel(
     inter_ptr, w2_ptr, weight_ptr, y_ptr, block_expert_ptr, row_pair_ptr,
     stride_we, stride_wh, num_experts, k, H, inter_size,
-    inter_scale_ptr, w2_scale_ptr, SCALE_BN: tl.constexpr,
+    inter_scale_ptr, stride_isr, stride_isg, w2_scale_ptr, SCALE_BN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr,
 ):
     """y[pair, n] = routing weight[pair] * (inter[rows] . w2[e, n]), in float32.
 
-    FP8: inter and w2 in e4m3 with scales inter_scale [rows, I / BLOCK_K] and w2_scale
-    [E, H / SCALE_BN, I / BLOCK_K]."""
+    FP8: inter and w2 in e4m3 with scales inter_scale [rows, I / BLOCK_K] (strides
+    stride_isr, stride_isg) and w2_scale [E, H / SCALE_BN, I / BLOCK_K]."""
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert >= num_experts:
         return
@@ -258,7 +222,7 @@ def _down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
         groups = tl.cdiv(inter_size, BLOCK_K)
-        a_scales = inter_scale_ptr + rows * groups
+        a_scales = inter_scale_ptr + rows * stride_isr
         w_scales = (w2_scale_ptr + expert * tl.cdiv(H, SCALE_BN) * groups
                     + (cols // SCALE_BN) * groups)
     for start in range(0, inter_size, BLOCK_K):
@@ -269,7 +233,7 @@ def _down_kernel(
                     other=0.0)
         if FP8:
             group = start // BLOCK_K
-            a_s = tl.load(a_scales + group, mask=has_pair, other=0.0)
+            a_s = tl.load(a_scales + group * stride_isg, mask=has_pair, other=0.0)
             w_s = tl.load(w_scales + group, mask=col_ok, other=0.0)
             acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
         else:
@@ -313,21 +277,6 @@ def block_layout(
     return block_expert.to(torch.int32), row_pair[:size]
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (e4m3 [T, K], float32 scales [T, ceil(K / group)]), on the device, as
-    `block_fp8.quantize_activations` (group: a power of two)."""
-    T, K = x.shape
-    groups = cdiv(K, group)
-    q = torch.empty(T, K, dtype=FP8_WEIGHT_DTYPE, device=x.device)
-    scales = torch.empty(T, groups, dtype=torch.float32, device=x.device)
-    if T and K:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        _quantize_kernel[(cdiv(T, _QUANT_ROWS), groups)](
-            x, q, scales, x.stride(0), T, K, groups, ROWS=_QUANT_ROWS, GROUP=group,
-            SOFTWARE_ROUND=INTERPRETED)
-    return q, scales
-
-
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
     ids: torch.Tensor, w13_scale_inv: torch.Tensor | None = None,
@@ -351,7 +300,7 @@ def fused_experts(
         raise ValueError("block-fp8 experts need w13_scale_inv, w2_scale_inv and block_size "
                          f"together; got w13_scale_inv {_given(w13_scale_inv)}, "
                          f"w2_scale_inv {_given(w2_scale_inv)}, block_size {block_size}")
-    if fp8 and not fp8_dot_supported(x.device):
+    if fp8 and not fp8_dot_runs(x.device):
         return reference.fused_experts(x, w13, w2, weights, ids, w13_scale_inv,
                                        w2_scale_inv, tuple(block_size))
     T, H = x.shape
@@ -373,30 +322,33 @@ def fused_experts(
             raise ValueError(f"config.block_k must be the weights' bk {bk} for block-fp8 "
                              f"experts, got {c.block_k}")
         x, x_scale = quantize_activations(x, bk)
-        scales = (x_scale, w13_scale_inv.float().contiguous())
-        down_scales = (w2_scale_inv.float().contiguous(),)
+        w13_scale, w2_scale = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
         inter_dtype, gate_up_n, precision = FP8_WEIGHT_DTYPE, bk, "tf32"
     else:
         bn = 0
         c = config or pick_config(T * k, E, x.element_size())
-        scales, down_scales = (None, None), (None,)
+        x_scale = w13_scale = w2_scale = None
         inter_dtype, gate_up_n, precision = x.dtype, c.block_n, dot_precision(x.dtype)
     block_expert, row_pair = block_layout(ids, E, c.block_m)
     num_blocks = block_expert.shape[0]
     rows = num_blocks * c.block_m
     inter = torch.empty(rows, inter_size, dtype=inter_dtype, device=x.device)
-    inter_scale = (torch.empty(rows, cdiv(inter_size, gate_up_n), dtype=torch.float32,
-                               device=x.device) if fp8 else None)
+    # inter's scales [rows, groups] stored group-major, as x's.
+    inter_scale = (torch.empty(cdiv(inter_size, gate_up_n), rows, dtype=torch.float32,
+                               device=x.device).t() if fp8 else None)
+    x_strides = x_scale.stride() if fp8 else (0, 0)
+    inter_strides = inter_scale.stride() if fp8 else (0, 0)
     common = dict(SCALE_BN=bn, PRECISION=precision, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
                   FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
     _gate_up_kernel[(num_blocks, cdiv(inter_size, gate_up_n))](
         x, w13, inter, block_expert, row_pair, x.stride(0), w13.stride(0), w13.stride(1),
-        E, k, H, inter_size, *scales, inter_scale, BLOCK_N=gate_up_n,
-        SOFTWARE_ROUND=INTERPRETED, **common,
+        E, k, H, inter_size, x_scale, *x_strides, w13_scale, inter_scale, *inter_strides,
+        BLOCK_N=gate_up_n, SOFTWARE_ROUND=INTERPRETED, **common,
     )
     _down_kernel[(num_blocks, cdiv(H, c.block_n))](
         inter, w2, weights, y, block_expert, row_pair, w2.stride(0), w2.stride(1),
-        E, k, H, inter_size, inter_scale, *down_scales, BLOCK_N=c.block_n, **common,
+        E, k, H, inter_size, inter_scale, *inter_strides, w2_scale, BLOCK_N=c.block_n,
+        **common,
     )
     return y.view(T, k, H).sum(1).to(out_dtype)
 
