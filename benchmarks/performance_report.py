@@ -6,7 +6,8 @@
 Every number in docs/PERFORMANCE.md comes from a result file in docs/results/, and so do
 each table's card, date, commit and command (docs/results/provenance.json supplies them
 for files that do not record them). The verdicts against the targets are computed here,
-the tables come from `performance_tables.py` and the prose from `performance_text.py`.
+the tables come from `performance_tables.py` (`performance_fp8.py`: block-fp8
+weights and DeepSeek-V3 at real size) and the prose from `performance_text.py`.
 So numbers and text cannot drift apart: a new result file means running this module, and
 a CPU test runs `--check`. Standard library only.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import performance_fp8 as fp8
 from benchmarks import performance_text as text
 from benchmarks.performance_tables import (
     Results,
@@ -58,6 +60,9 @@ README = ROOT / "README.md"
 SPEED_BEGIN = "<!-- speed: rendered by `python -m benchmarks.performance_report` -->"
 SPEED_END = "<!-- /speed -->"
 MILLION = 1 << 20  # "1M cached tokens" in the README's summary
+# Result files whose sections are rendered only once they exist.
+FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h200.json", "moe_fp8_h200.json", "v3_layers_h200.json"
+MEMORY_PLAN = "memory_plan.json"
 
 
 # -- targets -----------------------------------------------------------------------------
@@ -76,6 +81,7 @@ class Target:
     name: str
     measure: Callable[[Results], tuple[str, str]]  # -> (measured, verdict)
     limit: str
+    needs: str = ""  # a result file without which the target is left out
 
 
 def _memory_bound_bf16(res: Results) -> tuple[str, str]:
@@ -150,6 +156,32 @@ def _engine_idle(res: Results) -> tuple[str, str]:
     return measured, verdict([r["idle_share"] < 0.10])
 
 
+def _gemm_misses(rows: list[dict], ok: Callable[[dict], bool],
+                 value: Callable[[dict], str]) -> str:
+    missed = [f"{fp8.gemm_label(r)} ({value(r)})" for r in rows if not ok(r)]
+    return f"; below it: {', '.join(missed)}" if missed else ""
+
+
+def _gemm_read(res: Results) -> tuple[str, str]:
+    rows = [r for r in res.load(FP8_GEMM)["results"] if fp8.gemm_read_bound(r)]
+    shares = [100 * r["read_fraction"] for r in rows]
+    measured = (f"{span(shares, 0, '%')} of the HBM read rate over {len(rows)} rows"
+                + _gemm_misses(rows, fp8.gemm_read_ok,
+                               lambda r: pct(100 * r["read_fraction"])))
+    return measured, verdict([fp8.gemm_read_ok(r) for r in rows])
+
+
+def _gemm_compute(res: Results) -> tuple[str, str]:
+    rows = [r for r in res.load(FP8_GEMM)["results"] if fp8.gemm_compute_bound(r)]
+    smm = [r["vs_scaled_mm"] for r in rows if r.get("vs_scaled_mm")]
+    measured = (f"{span([r['vs_bf16'] for r in rows], 2, 'x')} bf16's TFLOP/s, "
+                f"{span(smm, 2, 'x')} `torch._scaled_mm`'s, over {len(rows)} rows"
+                + _gemm_misses(rows, fp8.gemm_compute_ok,
+                               lambda r: f"{times(r['vs_bf16'])}, "
+                                         f"{times(r.get('vs_scaled_mm')) or 'n/a'}"))
+    return measured, verdict([fp8.gemm_compute_ok(r) for r in rows])
+
+
 TARGETS = [
     Target("decode, bf16 cache, N·q_len ≤ 16 (memory-bound): ≥ 90% of the HBM read ceiling",
            _memory_bound_bf16, text.LIMITS["memory_bound"]),
@@ -167,18 +199,47 @@ TARGETS = [
            _prefill("varlen_attention"), text.LIMITS["prefill_kernel"]),
     Target("engine decode step with CUDA graphs, batch 128: the GPU waits for the host "
            "< 10% of the step", _engine_idle, text.LIMITS["engine"]),
+    Target("fp8 GEMM (128 × 128 blocks), DeepSeek-V3's linears, M ≤ 64: the weight read at "
+           "≥ 85% of the HBM read rate", _gemm_read, text.LIMITS["gemm_read"], FP8_GEMM),
+    Target("fp8 GEMM, same shapes, M ≥ 2048: ≥ 1.6x the TFLOP/s of bf16 `torch.matmul` and "
+           "≥ 0.9x `torch._scaled_mm`'s (per-tensor scales)", _gemm_compute,
+           text.LIMITS["gemm_compute"], FP8_GEMM),
 ]
 
 
 def targets_table(res: Results) -> list[str]:
     rows = []
     for target in TARGETS:
+        if target.needs and not res.has(target.needs):
+            continue
         measured, result = target.measure(res)
         rows.append([target.name, measured, result, target.limit])
     return table(["target", "measured", "verdict", "what limits it"], rows, left=4)
 
 
 # -- the documents -----------------------------------------------------------------------
+
+def fp8_sections(res: Results) -> list[str]:
+    """The sections of block-fp8 weights and of DeepSeek-V3/R1 at real size, each where
+    its result file exists."""
+    out: list[str] = []
+    if res.has(FP8_GEMM):
+        gemm = res.load(FP8_GEMM)
+        out += ["## fp8 linear layers", res.source(FP8_GEMM), "", text.FP8_GEMM, "",
+                fp8.gemm_ceilings(gemm), "", *fp8.gemm_tables(gemm)]
+    if res.has(FP8_MOE):
+        out += ["## fp8 routed experts", res.source(FP8_MOE), "", text.FP8_EXPERTS, "",
+                moe_ceilings(res.load(FP8_MOE)), "", *fp8.fp8_experts_table(res.load(FP8_MOE))]
+    if res.has(V3_LAYERS):
+        out += ["## DeepSeek-V3 layers, fp8 against bf16", res.source(V3_LAYERS), "",
+                text.V3_LAYERS, "", *fp8.v3_layers_table(res.load(V3_LAYERS))]
+    if res.has(MEMORY_PLAN):
+        plan = res.load(MEMORY_PLAN)
+        out += ["## DeepSeek-V3/R1 on one node: the memory plan", res.source(MEMORY_PLAN), "",
+                text.MEMORY_PLAN, "", *fp8.memory_plan_table(plan), "",
+                fp8.memory_plan_inputs(plan), "", *fp8.measured_lines(plan)]
+    return out
+
 
 def render_performance(res: Results) -> str:
     kernels = res.load("kernels_h200.json")
@@ -215,6 +276,7 @@ def render_performance(res: Results) -> str:
         "## Routed experts", res.source("moe_h200.json"), "", text.EXPERTS, "",
         moe_ceilings(res.load("moe_h200.json")), "",
         *experts_table(res.load("moe_h200.json")),
+        *fp8_sections(res),
         "## MQA or MHA", res.source("routing_h200.json"), "", text.ROUTING, "",
         *routing_lines(res.load("routing_h200.json")),
         "## CPU", text.CPU,

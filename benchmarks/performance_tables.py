@@ -29,6 +29,10 @@ class Results:
         self._cache: dict[str, Any] = {}
         self.provenance: dict[str, dict[str, Any]] = self.load("provenance.json")
 
+    def has(self, name: str) -> bool:
+        """Whether the result file `name` exists (sections of absent files are left out)."""
+        return (self.directory / name).exists()
+
     def load(self, name: str) -> Any:
         if name not in self._cache:
             self._cache[name] = json.loads((self.directory / name).read_text())

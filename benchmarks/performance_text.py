@@ -117,6 +117,49 @@ the host), eager; "dense": every expert on every token weighted by its routing w
 graphed. Bytes: the weights of the experts the routing touches, plus x and the output;
 random routing."""
 
+FP8_GEMM = """`ops.triton.fp8_linear`: y = x W^T with W in fp8 e4m3, one float32 scale per
+128 × 128 block, and x in bf16, quantized per token and 128-channel group inside (in the
+GEMM's programs for few rows, a pass of its own for many), at DeepSeek-V3's linears at
+tensor parallel 1. Baselines in the same run: bf16 `torch.matmul` on the dequantized
+weight, and `torch._scaled_mm` on e4m3 x and W with per-tensor scales (x quantized
+beforehand, not timed; it takes only M that are multiples of 16, else "n/a"). Each is
+timed as a CUDA graph that calls it on one weight copy after another, enough copies to
+exceed the L2 cache three times, so that every call reads its weight from HBM. "% HBM
+read": the fp8 weight's bytes per second over the HBM read rate of the same run;
+TFLOP/s = 2·M·N·K / time. Bold: a row that misses its target (see the targets)."""
+
+FP8_EXPERTS = """`fused_experts` with block-fp8 experts (128 × 128 blocks: bf16 weights
+quantized) against the same experts in bf16, both replayed from CUDA graphs, at
+DeepSeek-V3's widths (top 8, H 7168, I 2048) with random routing: all 256 experts on
+one GPU, and the 32 a rank holds at tensor parallel 8 (routing over 256, so about 1/8 of
+the token-expert pairs are local). Bytes: the weights (and fp8 scales) of the experts
+the routing touches, plus x and the output; FLOPs count the local pairs."""
+
+V3_LAYERS = """A random-weight checkpoint of DeepSeek-V3's shapes (hidden 7168, 128 heads,
+q_lora 1536, L 512, R 64, 256 routed experts of 2048, top 8, one shared; every layer an
+MoE layer; vocabulary 129280), once in block fp8 as DeepSeek ships it and once in bf16,
+written on the GPU, then served by `LLM` with CUDA graphs on one GPU: with all its
+layers and with one. A layer's figures are the difference of the two models over the
+layers between them, so that the embedding, the LM head and sampling drop out. "load s"
+is planning and reading the weights (`LLM.memory`); decode steps run over the run's
+prompts (`--prompt-len`)."""
+
+MEMORY_PLAN = """DeepSeek-V3/R1 whole (61 layers, the first 3 dense; the multi-token
+prediction layer is not loaded) at tensor parallel 8 on one node, **computed, not
+measured**, by `benchmarks/memory_plan.py` on the CPU. Weights per GPU: each rank's
+model is built on the meta device and sharded as the engine shards it, and its tensors
+are summed with the W_UK and W_UV it derives, as `LLM.memory` counts them; the largest
+rank's share is the GPU's. KV tokens per GPU: whole 64-token blocks in what the engine
+sizes the cache from, gpu_memory_utilization of the card (H200 143,771 MiB, H100 81,559
+MiB) less the weights and the chunked-prefill workspace, at the engine's defaults. The
+CUDA context, activations, CUDA graph pools and the decode context parallel gather
+buffers are not counted (the engine sizes the cache from the memory left after them),
+so a run holds somewhat fewer tokens. Without decode context parallelism every rank
+holds every token's latent (MLA has one latent per token, not split by heads), so the
+node holds what one GPU holds; with DCP 8 each token's latent lives on one rank of the
+group, and the node holds eight times as many. "does not fit": the GiB missing for the
+weights, the workspace and the smallest cache (2 blocks)."""
+
 ROUTING = """Which path a request of q new tokens over C cached ones should take: the
 absorbed MQA path, or the MHA path with chunked context. One `MLAAttention` forward per
 path from Python, bf16, Triton backend, median of 10 CUDA-event timings; at small q the
@@ -147,6 +190,12 @@ LIMITS = {
     "context run the Gluon kernel.",
     "prefill_kernel": "The tensor cores, and at N = 128 reuse through L2: heads are "
     "launched in groups whose keys and values fit half the L2.",
+    "gemm_read": "HBM bandwidth: the fp8 weight is read once; where the output tiles "
+    "cannot fill the GPU (q_a, kv_a), split-K programs share a tile's K steps and a "
+    "second kernel sums their float32 partials.",
+    "gemm_compute": "The fp8 tensor cores; each 128-column K step also scales its "
+    "products by the activation and weight block scales in float32, outside the tensor "
+    "cores, which a per-tensor-scaled GEMM does not.",
     "engine": "Asynchronous scheduling plans and enqueues step n+1 while the device runs "
     "step n; the host's own work (Python per sequence) adds to a step only where it "
     "exceeds the device's time.",
