@@ -26,7 +26,13 @@ HOPPER = Platform(cudnn=True, hopper=True, gluon=True)  # H100/H200 with Triton 
 HOPPER_NO_GLUON = Platform(cudnn=True, hopper=True, gluon=False)
 OTHER_GPU = Platform(cudnn=True, hopper=False, gluon=True)  # e.g. an A100
 INTERPRETER = Platform(cudnn=False, hopper=False, gluon=False)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8,
+          "fp8_ds_mla": torch.uint8}
+
+
+def _width(cache: str, L: int, R: int) -> int:
+    """A cache row's elements: L + R, or fp8_ds_mla's 656 bytes."""
+    return 656 if cache == "fp8_ds_mla" else L + R
 
 
 def _cache(dtype: torch.dtype, page: int, width: int, layout: str) -> torch.Tensor:
@@ -100,6 +106,14 @@ DECODE_CHOICES = [
     (OTHER_GPU, "bf16", "fp8", 16, 64, "contiguous", 512, 64, "decode_triton"),
     (OTHER_GPU, "bf16", "bf16", 128, 64, "contiguous", 512, 64, "decode_triton"),
     (INTERPRETER, "fp16", "fp16", 16, 64, "contiguous", 512, 64, "decode_triton"),
+    # fp8_ds_mla: the portable kernel everywhere (the Gluon kernels read rows of L + R
+    # values, 16-bit or per-tensor fp8).
+    (HOPPER, "bf16", "fp8_ds_mla", 1, 64, "contiguous", 512, 64, "decode_triton"),
+    (HOPPER, "bf16", "fp8_ds_mla", 32, 8, "contiguous", 512, 64, "decode_triton"),
+    (HOPPER, "bf16", "fp8_ds_mla", 128, 64, "contiguous", 512, 64, "decode_triton"),
+    (HOPPER, "fp32", "fp8_ds_mla", 16, 1, "contiguous", 512, 64, "decode_triton"),
+    (OTHER_GPU, "bf16", "fp8_ds_mla", 128, 64, "contiguous", 512, 64, "decode_triton"),
+    (INTERPRETER, "fp32", "fp8_ds_mla", 4, 16, "contiguous", 512, 64, "decode_triton"),
 ]
 
 
@@ -109,7 +123,7 @@ DECODE_CHOICES = [
 def test_decode_table_choices(platform: Platform, q_dtype: str, cache: str, rows: int,
                               page: int, layout: str, L: int, R: int, want: str) -> None:
     q = torch.zeros(1, rows, L + R, dtype=DTYPES[q_dtype])
-    data = _cache(DTYPES[cache], page, L + R, layout)
+    data = _cache(DTYPES[cache], page, _width(cache, L, R), layout)
     assert decode_kernel(q, data, rows, L, platform=platform).name == want
 
 
@@ -279,7 +293,8 @@ DOC_HEADER = ["GPU", "cache dtype", "query rows per request", "page size", "kern
 # The calls the doc's table is checked on: every platform, a 16-bit cache of q's dtype or
 # fp8, query rows and page sizes either side of each boundary the table draws.
 DOC_PLATFORMS = [HOPPER, HOPPER_NO_GLUON, OTHER_GPU, INTERPRETER]
-DOC_CACHES = [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8"), ("fp16", "fp8")]
+DOC_CACHES = [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8"), ("fp16", "fp8"),
+              ("bf16", "fp8_ds_mla"), ("fp32", "fp8_ds_mla")]
 DOC_ROWS = [1, 2, 16, 17, 24, 32, 33, 64, 128]
 DOC_PAGES = [1, 2, 4, 8, 12, 16, 20, 24, 64, 128]
 
@@ -301,10 +316,14 @@ def _doc_matches(row: list[str], platform: Platform, q_dtype: str, cache: str, r
     major, minor = GLUON_TRITON
     if gpu == f"Hopper, Triton {major}.{minor}":
         gpu_ok = platform == HOPPER
+    elif gpu == "any":
+        gpu_ok = True
     else:
         assert gpu == "any other", gpu
         gpu_ok = platform != HOPPER
-    cache_ok = {"fp8": cache == "fp8", "bf16, fp16": cache == q_dtype, "any": True}[cache_cell]
+    # A cell lists cache dtypes ("bf16" and "fp16" stand for a cache of the query's dtype).
+    cache_ok = cache_cell == "any" or (cache in cache_cell.split(", ") and (
+        cache in ("fp8", "fp8_ds_mla") or cache == q_dtype))
     if rows_cell == "any":
         rows_ok = True
     elif rows_cell.endswith("+"):
@@ -330,6 +349,6 @@ def test_doc_decode_table_is_the_code_table() -> None:
                     assert len(matches) == 1, (call, matches)
                     want = matches[0][4].strip("`")
                     q = torch.zeros(1, rows, 576, dtype=DTYPES[q_dtype])
-                    data = _cache(DTYPES[cache], page, 576, "contiguous")
+                    data = _cache(DTYPES[cache], page, _width(cache, 512, 64), "contiguous")
                     got = decode_kernel(q, data, rows, 512, platform=platform).name
                     assert got == want, (call, got, want)

@@ -1,4 +1,5 @@
-"""The paged latent KV cache: one row of L + R values per token, in blocks of pages."""
+"""The paged latent KV cache: one entry per token (L + R values, or DeepSeek's 656-byte
+fp8_ds_mla record), in blocks of pages."""
 
 from __future__ import annotations
 
@@ -13,12 +14,43 @@ FP8_DTYPE = torch.float8_e4m3fn
 _FP8_NAMES = ("fp8", "fp8_e4m3")
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# DeepSeek's fp8_ds_mla entry, one per token, little-endian bytes:
+#   [0, 512)    512 float8_e4m3fn codes of the latent,
+#   [512, 528)  4 float32 scales, scale g covering latent values [128 g, 128 g + 128),
+#   [528, 656)  64 bfloat16 values of the rotated k_pe.
+# Latent value = code * scale. A scale is the smallest power of two >= amax / 448 (amax
+# = the group's largest |value|, the division in float32), at least 2^-126 (float32's
+# smallest normal: an all-zero group gets 2^-126 and codes 0) and at most 2^127 (an
+# infinite value: its code saturates to +-448). A NaN in a group makes its scale NaN, so
+# the whole group reads back NaN. Codes are value / scale rounded to nearest even,
+# saturated to +-448. The rope part is bfloat16 whatever the model dtype.
+DS_MLA = "fp8_ds_mla"
+DS_MLA_DTYPE = torch.uint8  # the storage dtype that marks the format
+DS_MLA_LATENT = 512  # L
+DS_MLA_ROPE = 64  # R
+DS_MLA_GROUP = 128  # latent values per scale
+DS_MLA_GROUPS = DS_MLA_LATENT // DS_MLA_GROUP
+DS_MLA_SCALES_AT = DS_MLA_LATENT  # byte offset of the scales
+DS_MLA_ROPE_AT = DS_MLA_SCALES_AT + 4 * DS_MLA_GROUPS  # byte offset of the rope part
+DS_MLA_BYTES = DS_MLA_ROPE_AT + 2 * DS_MLA_ROPE  # 656
+DS_MLA_MIN_EXP, DS_MLA_MAX_EXP = -126, 127  # the scales' exponent range
+# Model dtypes the format serves (its rope part is bfloat16: a float16 model's keys
+# would be rounded to another 16-bit format than its own).
+DS_MLA_MODEL_DTYPES = (torch.bfloat16, torch.float32)
 
-def resolve_cache_dtype(kv_cache_dtype: str | torch.dtype, dtype: torch.dtype) -> torch.dtype:
+
+def resolve_cache_dtype(
+    kv_cache_dtype: str | torch.dtype,
+    dtype: torch.dtype,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
+) -> torch.dtype:
     """Map a kv-cache dtype name to the storage dtype.
 
-    "auto" is the model dtype; "fp8", "fp8_e4m3" and torch.float8_e4m3fn are fp8 e4m3.
-    Anything else is rejected rather than silently stored in another format.
+    "auto" is the model dtype; "fp8", "fp8_e4m3" and torch.float8_e4m3fn are fp8 e4m3;
+    "fp8_ds_mla" is stored as uint8 (DS_MLA_DTYPE), for a bfloat16 or float32 model and,
+    where the widths are given, L = 512 and R = 64 only. Anything else is rejected
+    rather than silently stored in another format.
     """
     if dtype not in MODEL_DTYPES:
         raise TypeError(f"dtype must be one of {MODEL_DTYPES}, got {dtype}")
@@ -26,12 +58,41 @@ def resolve_cache_dtype(kv_cache_dtype: str | torch.dtype, dtype: torch.dtype) -
         return dtype
     if kv_cache_dtype in _FP8_NAMES or kv_cache_dtype == FP8_DTYPE:
         return FP8_DTYPE
+    if kv_cache_dtype == DS_MLA:
+        _check_ds_mla(dtype, kv_lora_rank, rope_dim)
+        return DS_MLA_DTYPE
     if isinstance(kv_cache_dtype, torch.dtype) and kv_cache_dtype in MODEL_DTYPES:
         return kv_cache_dtype
     raise ValueError(
-        "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3', torch.float8_e4m3fn or a model "
-        f"dtype {MODEL_DTYPES}, got {kv_cache_dtype!r}"
+        "kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3', 'fp8_ds_mla', "
+        f"torch.float8_e4m3fn or a model dtype {MODEL_DTYPES}, got {kv_cache_dtype!r}"
     )
+
+
+def _check_ds_mla(dtype: torch.dtype, kv_lora_rank: int | None, rope_dim: int | None) -> None:
+    """ValueError unless an fp8_ds_mla cache can serve a `dtype` model of these widths
+    (None: not known yet)."""
+    if dtype not in DS_MLA_MODEL_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype 'fp8_ds_mla' serves models of dtype {DS_MLA_MODEL_DTYPES} "
+            f"(its rope part is bfloat16), got dtype {dtype}")
+    for name, value, want in (("kv_lora_rank", kv_lora_rank, DS_MLA_LATENT),
+                              ("qk_rope_head_dim", rope_dim, DS_MLA_ROPE)):
+        if value is not None and value != want:
+            raise ValueError(
+                f"kv_cache_dtype 'fp8_ds_mla' is defined for kv_lora_rank {DS_MLA_LATENT} "
+                f"and qk_rope_head_dim {DS_MLA_ROPE}, got {name} {value} (kv_lora_rank "
+                f"{kv_lora_rank}, qk_rope_head_dim {rope_dim})")
+
+
+def describe_cache_format(cache_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int) -> str:
+    """One line naming a cache's entry format and its bytes per token and layer."""
+    per_token = LatentKVCache.bytes_per_token(kv_lora_rank, rope_dim, cache_dtype)
+    if cache_dtype == DS_MLA_DTYPE:
+        return (f"{DS_MLA}, {per_token} bytes per token and layer: {DS_MLA_LATENT} e4m3 "
+                f"codes, {DS_MLA_GROUPS} float32 scales, {DS_MLA_ROPE} bfloat16 rope values")
+    name = "fp8 e4m3" if cache_dtype == FP8_DTYPE else str(cache_dtype).removeprefix("torch.")
+    return f"{name}, {per_token} bytes per token and layer"
 
 
 def _scale_value(value: object) -> float:
@@ -54,8 +115,11 @@ class LatentKVCache:
 
     `data` is [num_blocks, block_size, L + R]: `data[b, i, :L]` is the normalised latent
     kv_c of the token in slot b * block_size + i and `data[b, i, L:]` its rotated k_pe.
-    With an fp8 cache, one float32 per-tensor `scale` covers latent and rope alike
-    (they share a row): stored = x / scale, read = stored * scale. `scale` is a 0-dim
+    With kv_cache_dtype "fp8_ds_mla" `data` is uint8 [num_blocks, block_size, 656],
+    one entry per token as laid out above (DS_MLA_*), its scales inside the entry
+    (`scale` stays 1.0, unused). With an fp8 cache, one float32 per-tensor `scale`
+    covers latent and rope alike (they share a row): stored = x / scale, read = stored *
+    scale. `scale` is a 0-dim
     float32 tensor on the cache's device that the kernels (and CUDA graphs captured
     over them) read; assigning `cache.scale = x` checks x (finite, > 0) and writes it
     into that tensor. A cache in the model dtype ignores its scale and keeps 1.0.
@@ -86,16 +150,15 @@ class LatentKVCache:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         scale = _scale_value(scale)
         self.dtype = dtype
-        self.cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype)
+        self.cache_dtype = resolve_cache_dtype(kv_cache_dtype, dtype, kv_lora_rank, rope_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.device = resolve_device(device)
-        self.data = torch.zeros(
-            num_blocks, block_size, kv_lora_rank + rope_dim, dtype=self.cache_dtype,
-            device=self.device,
-        )
+        entry = DS_MLA_BYTES if self.is_ds_mla else kv_lora_rank + rope_dim
+        self.data = torch.zeros(num_blocks, block_size, entry, dtype=self.cache_dtype,
+                                device=self.device)
         self._scale = torch.tensor(scale if self.is_fp8 else 1.0, dtype=torch.float32,
                                    device=self.device)
 
@@ -112,7 +175,13 @@ class LatentKVCache:
 
     @property
     def is_fp8(self) -> bool:
+        """An fp8 cache with one per-tensor scale (not fp8_ds_mla)."""
         return self.cache_dtype == FP8_DTYPE
+
+    @property
+    def is_ds_mla(self) -> bool:
+        """An fp8_ds_mla cache (656-byte entries with their own scales)."""
+        return self.cache_dtype == DS_MLA_DTYPE
 
     @property
     def num_slots(self) -> int:
@@ -120,17 +189,22 @@ class LatentKVCache:
 
     @property
     def width(self) -> int:
-        """L + R."""
+        """L + R: the values of one entry as read (the gather's row width)."""
         return self.kv_lora_rank + self.rope_dim
 
     @staticmethod
     def bytes_per_token(kv_lora_rank: int, rope_dim: int, cache_dtype: torch.dtype) -> int:
-        """Bytes one token occupies in one layer's cache (for sizing the cache)."""
-        return (kv_lora_rank + rope_dim) * torch.empty((), dtype=cache_dtype).element_size()
+        """Bytes one token occupies in one layer's cache (for sizing the cache): 656 for
+        fp8_ds_mla (cache_dtype DS_MLA_DTYPE), else L + R values of cache_dtype."""
+        if cache_dtype == DS_MLA_DTYPE:
+            _check_ds_mla(torch.bfloat16, kv_lora_rank, rope_dim)
+            return DS_MLA_BYTES
+        return (kv_lora_rank + rope_dim) * cache_dtype.itemsize
 
     def __repr__(self) -> str:
         return (
             f"LatentKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"L={self.kv_lora_rank}, R={self.rope_dim}, dtype={self.cache_dtype}, "
+            f"L={self.kv_lora_rank}, R={self.rope_dim}, "
+            f"dtype={DS_MLA if self.is_ds_mla else self.cache_dtype}, "
             f"device={self.device})"
         )

@@ -16,6 +16,7 @@ import torch
 from pagedmla import BatchSpec, LatentKVCache, MLADims
 
 FP8 = torch.float8_e4m3fn
+DS_MLA = torch.uint8  # the storage dtype of an fp8_ds_mla cache
 UNUSED_BLOCK_ID = 10**6
 """Block-table value for entries past a request's used blocks: any read of it fails."""
 
@@ -74,6 +75,41 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / denom if denom > 0 else num
 
 
+def ds_mla_scales(latent: torch.Tensor) -> torch.Tensor:
+    """fp8_ds_mla scales [n, 4] float64 of latent [n, 512]: per 128 values, the smallest
+    power of two >= amax / 448 (the division rounded to float32), at least 2^-126, at
+    most 2^127; NaN for a group holding a NaN. Computed with frexp, apart from the
+    implementation's exponent bits."""
+    amax = latent.to(torch.float32).abs().view(-1, 4, 128).amax(dim=-1)
+    ratio = (amax / 448.0).to(torch.float64)  # the float32 quotient, exactly
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa x 2^exponent, |m| in [0.5, 1)
+    ceil_log2 = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    ceil_log2 = torch.where(ratio == 0, -126, ceil_log2)
+    ceil_log2 = torch.where(torch.isinf(ratio), 127, ceil_log2).clamp(-126, 127)
+    scales = torch.ldexp(torch.ones_like(ratio), ceil_log2)
+    return torch.where(torch.isnan(amax), math.nan, scales)
+
+
+def ds_mla_entries(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """fp8_ds_mla entries uint8 [n, 656] of kv_c [n, 512] and k_pe [n, 64]: e4m3 codes
+    of value / scale (saturated to +-448), the scales as little-endian float32, k_pe as
+    bfloat16 (`pagedmla.cache` describes the format)."""
+    scales = ds_mla_scales(kv_c)
+    quotient = kv_c.to(torch.float64).view(-1, 4, 128) / scales.unsqueeze(-1)
+    codes = quotient.clamp(-448.0, 448.0).to(torch.float32).to(FP8).view(-1, 512)
+    rope = k_pe.to(torch.float32).to(torch.bfloat16)
+    return torch.cat([codes.view(torch.uint8), scales.to(torch.float32).view(torch.uint8),
+                      rope.view(torch.uint8)], dim=-1)
+
+
+def ds_mla_rows(entries: torch.Tensor) -> torch.Tensor:
+    """fp8_ds_mla entries uint8 [n, 656] read back: rows [n, 576] float64."""
+    codes = entries[:, :512].contiguous().view(FP8).to(torch.float64).view(-1, 4, 128)
+    scales = entries[:, 512:528].contiguous().view(torch.float32).to(torch.float64)
+    rope = entries[:, 528:].contiguous().view(torch.bfloat16).to(torch.float64)
+    return torch.cat([(codes * scales.unsqueeze(-1)).view(-1, 512), rope], dim=-1)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The raw bits of a float tensor, so that NaN compares equal to itself."""
     size = x.element_size()
@@ -120,14 +156,21 @@ class PagedBatch:
         return out
 
     def store(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows [n, L+R] as the cache stores them (fp8: x / scale, cast); on the host."""
+        """Rows [n, L+R] as the cache stores them (fp8: x / scale, cast; fp8_ds_mla:
+        656-byte entries, `ds_mla_entries`); on the host."""
         rows = rows.cpu()
+        if self.cache.data.dtype == DS_MLA:
+            return ds_mla_entries(rows[:, : self.dims.kv_lora_rank],
+                                  rows[:, self.dims.kv_lora_rank :])
         if self.cache.data.dtype == FP8:
             return (rows.to(torch.float32) / self.cache.scale.cpu()).to(FP8)
         return rows.to(self.cache.data.dtype)
 
     def load(self, stored: torch.Tensor) -> torch.Tensor:
-        """Stored rows read back, in float64 (fp8: stored * scale)."""
+        """Stored rows read back, in float64 (fp8: stored * scale; fp8_ds_mla: codes x
+        their group's scale, then the bfloat16 rope values)."""
+        if stored.dtype == DS_MLA:
+            return ds_mla_rows(stored)
         if stored.dtype == FP8:
             return stored.to(torch.float64) * self.cache.scale.cpu().to(torch.float64)
         return stored.to(torch.float64)
@@ -229,7 +272,8 @@ def make_paged_batch(
         num_blocks, block_size, latent, rope, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
         device=device, scale=fp8_scale,
     )
-    cache.data.fill_(math.nan)
+    # NaN everywhere (fp8_ds_mla: 0xFF bytes are NaN codes, scales and rope values).
+    cache.data.fill_(255 if cache.data.dtype == DS_MLA else math.nan)
     batch_slots = [slot(b, p) for b, (q, s) in enumerate(zip(query_lens, seq_lens))
                    for p in range(s - q, s)]
     spec = BatchSpec(
@@ -256,7 +300,7 @@ def make_paged_batch(
         kv_b_proj=kv_b_proj, softmax_scale=scale, blocks=blocks, context_latents=[],
         cache_before=cache.data,
     )
-    flat = cache.data.view(-1, width)
+    flat = cache.data.view(-1, cache.data.shape[-1])
     for b, (q_len, s) in enumerate(zip(query_lens, seq_lens)):
         context = s - q_len
         # Context rows are in the model dtype before they reach the cache, as in a run.

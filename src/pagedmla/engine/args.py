@@ -70,7 +70,9 @@ class EngineArgs:
         "help": "tokens per cache page (on Hopper, multiples of 8 get the Gluon decode "
         "kernels' bulk tile copies)"})
     kv_cache_dtype: str | torch.dtype = field(default="auto", metadata={
-        "help": "cache entries: auto (the model dtype), fp8 or fp8_e4m3"})
+        "help": "cache entries: auto (the model dtype), fp8 or fp8_e4m3 (one per-tensor "
+        "scale), or fp8_ds_mla (DeepSeek's 656-byte entries: e4m3 latent with a scale per "
+        "128 values, bf16 rope; L = 512, R = 64, bf16 or float32 models)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "cache pages per layer (default: what gpu_memory_utilization leaves; "
         "64Ki tokens on the CPU)"})

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedmla.cache import LatentKVCache, resolve_cache_dtype
+from pagedmla.cache import LatentKVCache, describe_cache_format, resolve_cache_dtype
 from pagedmla.device import resolve_device
 from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
@@ -143,7 +143,8 @@ class LLM:
             if self.parallel is None
             else self.parallel.metadata_builder(dims, block_size, **sizes)
         )
-        cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype)
+        cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, dims.kv_lora_rank,
+                                          dims.qk_rope_head_dim)
         block_bytes = cache_block_bytes(dims, block_size, cache_dtype,
                                         self.config.num_hidden_layers)
         workspace = workspace_bytes(dims, self.builder.workspace_rows, dtype)
@@ -171,7 +172,9 @@ class LLM:
             args.enable_prefix_caching,
         )
         read = 0 if plan.checkpoint is None else plan.checkpoint.bytes_read
-        self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds, read)
+        self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds, read,
+                            describe_cache_format(cache_dtype, dims.kv_lora_rank,
+                                                  dims.qk_rope_head_dim))
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
@@ -196,14 +199,14 @@ class LLM:
             self.parallel.ready()
 
     def _report_memory(self, weight_bytes: int, cache_bytes: int, load_seconds: float,
-                       bytes_read: int) -> None:
+                       bytes_read: int, cache_format: str) -> None:
         """Set `memory` (this rank's MemoryReport) and `memory_per_rank` (every rank's,
         gathered over the host group), and log the ranks' reports on the driver."""
         manager = self.block_manager
         rank = 0 if self.parallel is None else self.parallel.state.tp_rank
         self.memory = MemoryReport(rank, weight_bytes, cache_bytes,
                                    manager.num_usable_blocks * manager.block_size, load_seconds,
-                                   bytes_read)
+                                   bytes_read, cache_format)
         self.memory_per_rank = (
             [self.memory] if self.parallel is None
             else self.parallel.state.gather_objects(self.memory)

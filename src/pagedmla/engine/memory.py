@@ -22,7 +22,9 @@ class MemoryReport:
     layers; kv_cache_tokens: the tokens of context the engine's cache holds (its usable
     blocks times the scheduler's block size: under decode context parallelism a group's
     capacity); load_seconds: planning and loading the weights; checkpoint_bytes_read:
-    the bytes of the checkpoint slices it read (0 for the built-in tiny model).
+    the bytes of the checkpoint slices it read (0 for the built-in tiny model);
+    kv_cache_format: the cache's entry format and bytes per token and layer
+    (`cache.describe_cache_format`).
     """
 
     rank: int
@@ -31,6 +33,7 @@ class MemoryReport:
     kv_cache_tokens: int
     load_seconds: float
     checkpoint_bytes_read: int
+    kv_cache_format: str = ""
 
     @property
     def weight_gib(self) -> float:
@@ -41,8 +44,10 @@ class MemoryReport:
         return self.kv_cache_bytes / GIB
 
     def __str__(self) -> str:
+        cache_format = f"; {self.kv_cache_format}" if self.kv_cache_format else ""
         return (f"rank {self.rank}: weights {self.weight_gib:.3f} GiB, KV cache "
-                f"{self.kv_cache_gib:.3f} GiB ({self.kv_cache_tokens} tokens), weights "
+                f"{self.kv_cache_gib:.3f} GiB ({self.kv_cache_tokens} tokens{cache_format}), "
+                "weights "
                 f"loaded in {self.load_seconds:.1f} s "
                 f"({self.checkpoint_bytes_read / GIB:.3f} GiB of checkpoint read)")
 

@@ -9,16 +9,71 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.cache import FP8_DTYPE
+from pagedmla.cache import (
+    DS_MLA_BYTES,
+    DS_MLA_DTYPE,
+    DS_MLA_GROUP,
+    DS_MLA_GROUPS,
+    DS_MLA_LATENT,
+    DS_MLA_MAX_EXP,
+    DS_MLA_MIN_EXP,
+    DS_MLA_ROPE_AT,
+    DS_MLA_SCALES_AT,
+    FP8_DTYPE,
+)
 from pagedmla.ops.block_fp8 import dequantize_blocks, dequantize_w13
 
 # Query rows per attention block: bounds the [N, rows, S] score matrix in memory.
 _SCORE_ELEMENTS = 1 << 26
 
 
+def ds_mla_scales(latent: torch.Tensor) -> torch.Tensor:
+    """The fp8_ds_mla scales of latent [K, 512] (float32): [K, 4] float32, scale g the
+    smallest power of two >= amax / 448 over values [128 g, 128 g + 128), clamped to
+    [2^-126, 2^127], NaN where the group holds a NaN (`pagedmla.cache`)."""
+    amax = latent.view(-1, DS_MLA_GROUPS, DS_MLA_GROUP).abs().amax(dim=-1)  # NaN wins
+    ratio = amax / torch.finfo(FP8_DTYPE).max
+    bits = ratio.view(torch.int32)  # >= 0: exponent field, then mantissa
+    exponent = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).int()  # ceil(log2)
+    exponent = exponent.clamp(DS_MLA_MIN_EXP, DS_MLA_MAX_EXP)
+    scales = ((exponent + 127) << 23).view(torch.float32)
+    return torch.where(torch.isnan(amax), float("nan"), scales)
+
+
+def ds_mla_encode(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """fp8_ds_mla entries uint8 [K, 656] of kv_c [K, 512] and k_pe [K, 64]: e4m3 codes
+    of kv_c / scale (round to nearest even, saturated to +-448), the four float32
+    scales (`ds_mla_scales`), k_pe in bfloat16 (round to nearest even)."""
+    latent = kv_c.float()
+    scales = ds_mla_scales(latent)
+    limit = torch.finfo(FP8_DTYPE).max
+    groups = latent.view(-1, DS_MLA_GROUPS, DS_MLA_GROUP) / scales.unsqueeze(-1)
+    codes = groups.clamp(-limit, limit).to(FP8_DTYPE).view(-1, DS_MLA_LATENT)
+    rope = k_pe.to(torch.bfloat16)
+    return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8),
+                      rope.view(torch.uint8)], dim=-1)
+
+
+def ds_mla_decode(entries: torch.Tensor) -> torch.Tensor:
+    """fp8_ds_mla entries uint8 [..., 656] -> rows [..., 576] float32: the latent
+    (codes x their group's scale), then the rope values."""
+    lead = entries.shape[:-1]
+    flat = entries.reshape(-1, DS_MLA_BYTES)
+    codes = flat[:, :DS_MLA_SCALES_AT].view(FP8_DTYPE).float()
+    scales = flat[:, DS_MLA_SCALES_AT:DS_MLA_ROPE_AT].view(torch.float32)
+    latent = codes.view(-1, DS_MLA_GROUPS, DS_MLA_GROUP) * scales.unsqueeze(-1)
+    rope = flat[:, DS_MLA_ROPE_AT:].view(torch.bfloat16).float()
+    rows = torch.cat([latent.view(-1, DS_MLA_LATENT), rope], dim=-1)
+    return rows.view(*lead, rows.shape[-1])
+
+
 def _read_rows(data: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Cache rows at `slots` as float32, dequantized when the cache is fp8."""
-    rows = data.view(-1, data.shape[-1])[slots].float()
+    """Cache rows [..., L + R] at `slots` [...] as float32, dequantized when the cache is
+    fp8 (per-tensor `scale`) or fp8_ds_mla (the entries' own scales)."""
+    entries = data.view(-1, data.shape[-1])[slots]
+    if data.dtype == DS_MLA_DTYPE:
+        return ds_mla_decode(entries)
+    rows = entries.float()
     if data.dtype == FP8_DTYPE:
         rows = rows * scale
     return rows
@@ -31,8 +86,13 @@ def write_cache(
     slot_mapping: torch.Tensor,
     scale: torch.Tensor,
 ) -> None:
-    """Store [kv_c | k_pe] ([T, L], [T, R]) at the slots of slot_mapping [T] (-1: skip)."""
+    """Store [kv_c | k_pe] ([T, L], [T, R]) at the slots of slot_mapping [T] (-1: skip):
+    as they are, as fp8 x / scale, or as fp8_ds_mla entries (`ds_mla_encode`)."""
     keep = slot_mapping >= 0
+    if data.dtype == DS_MLA_DTYPE:
+        entries = ds_mla_encode(kv_c[keep], k_pe[keep])
+        data.view(-1, data.shape[-1])[slot_mapping[keep]] = entries
+        return
     rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
     if data.dtype == FP8_DTYPE:
         limit = torch.finfo(FP8_DTYPE).max
@@ -49,7 +109,8 @@ def gather_cache(
     token_to_seq: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """Copy context rows of a chunk into `out` [rows, L + R], dequantizing fp8.
+    """Copy context rows of a chunk into `out` [rows, L + R], dequantizing fp8 and
+    fp8_ds_mla.
 
     Request j of the chunk contributes positions [starts[j], starts[j] + n_j) of its
     context (block_table[j]) to out rows [cu_seq_lens[j], cu_seq_lens[j + 1]).
@@ -93,8 +154,8 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MQA over the paged latent cache.
 
-    q [T, N, L + R]; the keys are whole cache rows [L + R], the values their first L
-    columns. Token i of request b (q_len_b tokens) sees positions
+    q [T, N, L + R]; the keys are whole cache rows [L + R] as read (`_read_rows`), the
+    values their first L columns. Token i of request b (q_len_b tokens) sees positions
     < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] in q's dtype, lse [N, T].
     `plans` (the per-forward store of kernel backends' split plans) is not used: the
     reference attends over whole requests.

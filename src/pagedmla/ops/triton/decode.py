@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.cache import FP8_DTYPE
+from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE, DS_MLA_LATENT, DS_MLA_ROPE
 from pagedmla.ops.triton import combine
 from pagedmla.ops.triton._utils import (
     GRID_YZ_MAX,
@@ -32,7 +32,7 @@ from pagedmla.ops.triton._utils import (
     last_dim_contiguous,
     multiprocessor_count,
 )
-from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
+from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config, quantized
 from pagedmla.ops.triton.selection import decode_kernel, triton_decode_kernel
 from pagedmla.ops.triton.split_plan import plan_splits
 from pagedmla.validation import positive_finite
@@ -59,7 +59,8 @@ def mla_decode(
     q [T, N, L + R]; data [num_blocks, block_size, L + R] (q's dtype or fp8, scaled by
     `scale` [] float32 in the kernel: finite and positive, as `LatentKVCache` makes it
     and the 64-row kernel's softmax needs; a device value, so not checked here, which
-    would cost a host sync); block_table int32 [B, max_blocks]; seq_lens int32
+    would cost a host sync), or an fp8_ds_mla cache, uint8 [num_blocks, block_size,
+    656] with L = 512, R = 64 (`scale` unused); block_table int32 [B, max_blocks]; seq_lens int32
     [B]; query_start_loc int32 [B + 1]. Token i of request b sees positions
     < seq_lens[b] - q_len_b + i + 1. Returns out [T, N, L] (q dtype), lse [N, T] float32.
 
@@ -79,7 +80,14 @@ def mla_decode(
     softmax_scale = positive_finite("softmax_scale", softmax_scale)
     num_tokens, num_heads, width = q.shape
     L = kv_lora_rank
-    if data.shape[-1] != width:
+    if data.dtype == DS_MLA_DTYPE:
+        if (data.shape[-1], L, width) != (DS_MLA_BYTES, DS_MLA_LATENT,
+                                          DS_MLA_LATENT + DS_MLA_ROPE):
+            raise ValueError(
+                f"an fp8_ds_mla cache has {DS_MLA_BYTES}-byte entries for L = "
+                f"{DS_MLA_LATENT}, R = {DS_MLA_ROPE}: got entries of {data.shape[-1]} "
+                f"bytes, L = {L} and q rows of {width}")
+    elif data.shape[-1] != width:
         raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")
     if data.shape[0] * data.shape[1] == 0:  # (nor could the copy engine describe it)
         raise ValueError(f"data: a cache of shape {tuple(data.shape)} holds no position")
@@ -92,13 +100,12 @@ def mla_decode(
         return out, lse
     q = last_dim_contiguous(q)
     data = last_dim_contiguous(data)
-    is_fp8 = data.dtype == FP8_DTYPE
 
     # Query rows per request (token x N + head): what stage 1's programs split in groups.
     rows_per_req = num_heads * max_query_len
     # The regime's config bounds the split plan whichever kernel runs; `config` runs the
     # portable kernel with it.
-    cfg = config or pick_config(rows_per_req, q.dtype, is_fp8)
+    cfg = config or pick_config(rows_per_req, q.dtype, quantized(data))
     kernel = (triton_decode_kernel(config, rows_per_req) if config is not None
               else decode_kernel(q, data, rows_per_req, L, cfg))
     # Splits are whole tiles of the kernel that runs.

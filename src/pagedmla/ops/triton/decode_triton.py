@@ -14,8 +14,12 @@ the rows through the block table one position at a time. L is handled as two hal
 transposed (SWAP_AB: positions fill the 64-row MMA of Hopper's wgmma instead of padding
 16 heads to 64 rows).
 
+An fp8_ds_mla cache (uint8 entries of 656 bytes, `pagedmla.cache`) is read by the row
+gather: each tile's codes are multiplied by their rows' four group scales in registers
+(`cache_ops.ds_mla_latent`) and the products run in q's dtype.
+
 It runs on any GPU Triton supports and under the interpreter; on Hopper GPUs the Gluon
-kernels take the calls they support (`selection`).
+kernels take the calls they support (`selection`), fp8_ds_mla none of them.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pagedmla.cache import FP8_DTYPE
+from pagedmla.cache import DS_MLA_DTYPE, FP8_DTYPE
 from pagedmla.ops.triton._utils import (
     INTERPRETED,
     cdiv,
@@ -36,6 +40,7 @@ from pagedmla.ops.triton._utils import (
     split_pow2,
     tiles_copyable,
 )
+from pagedmla.ops.triton.cache_ops import ds_mla_latent, ds_mla_rope, ds_mla_views
 from pagedmla.ops.triton.split_plan import WORK_FIELDS, SplitPlan
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
@@ -111,9 +116,15 @@ DECODE_CONFIGS: dict[str, DecodeConfig] = {
 FEW_REQUESTS = 2  # batches this small use a config's few_min_chunk
 
 
+def quantized(data: torch.Tensor) -> bool:
+    """Whether the cache data is fp8 (per-tensor scale) or fp8_ds_mla: the regimes'
+    "-fp8" configs run them."""
+    return data.dtype in (FP8_DTYPE, DS_MLA_DTYPE)
+
+
 def pick_config(num_rows: int, dtype: torch.dtype, is_fp8: bool = False) -> DecodeConfig:
     """The regime's config for `num_rows` = N * max_query_len query rows per request, q
-    of `dtype` and an fp8 cache or not."""
+    of `dtype` and an fp8 or fp8_ds_mla cache (`quantized`) or not."""
     if dtype == torch.float32:
         return DECODE_CONFIGS["fp32"]
     rows = next_pow2(num_rows)
@@ -167,6 +178,25 @@ def _gather_tile(
         cols_r = tl.arange(0, BLOCK_R)
         k_pe = tl.load(rows[:, None] + L + cols_r[None, :],
                        mask=pos_ok[:, None] & (cols_r[None, :] < R), other=0.0)
+    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+
+
+@triton.jit
+def _gather_ds_mla_tile(
+    data_ptr, scales_ptr, rope_ptr, table_row, start, hi, stride_db, stride_dp,
+    compute_dtype: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """_gather_tile for fp8_ds_mla entries (L = 512, R = 64; strides in bytes): the
+    latent halves dequantized (codes x their group's scale), the bfloat16 rope part,
+    masked rows zero, in compute_dtype."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_ok = pos < hi
+    block = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+    row = block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
+    kv_a = ds_mla_latent(data_ptr, scales_ptr, row, pos_ok, 0, HALF_L)
+    kv_b = ds_mla_latent(data_ptr, scales_ptr, row, pos_ok, HALF_L, HALF_L)
+    k_pe = ds_mla_rope(rope_ptr, row, pos_ok, BLOCK_R)
     return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
 
 
@@ -289,8 +319,8 @@ def _paged_step(
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
-    starts_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, ds_scales_ptr, ds_rope_ptr,
+    block_table_ptr, work_ptr, starts_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
     stride_qt, stride_qh,
     stride_db, stride_dp,
     stride_bt,
@@ -299,18 +329,19 @@ def _decode_partial_kernel(
     num_heads, num_partials, softmax_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
-    PF_LINE: tl.constexpr,
+    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, DS_MLA: tl.constexpr,
+    PRECISION: tl.constexpr, SWAP_AB: tl.constexpr, PAGED: tl.constexpr,
+    COMPUTE: tl.constexpr, PREFETCH: tl.constexpr, PF_LINES: tl.constexpr,
+    PF_REST: tl.constexpr, PF_LINE: tl.constexpr,
 ):
     """One head group of the splits starts[p] .. starts[p + 1] - 1 (p = program_id(1))
     of the split plan's work [num_partials, WORK] (`split_plan`), one after the other:
     out [BLOCK_H, L] and lse over each split's positions (`_decode_split`).
     PAGED: tiles come as bulk copies through latent_desc / rope_desc (host tensor
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
-    through data_ptr. A request in one split gets its final out [T, N, L] (q dtype) and
-    lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
+    through data_ptr (DS_MLA: fp8_ds_mla entries, their scales and rope values through
+    ds_scales_ptr and ds_rope_ptr, views of the same bytes). A request in one split
+    gets its final out [T, N, L] (q dtype) and lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
     float32 partials, at row (token x N + head) x num_partials + the split's partial index
     (field 7) of part [.., L] and part_lse (a row's splits adjacent); a row whose split
     holds no visible key gets lse -inf and no output (the combine never reads it).
@@ -318,23 +349,24 @@ def _decode_partial_kernel(
     program = tl.program_id(1)
     for split in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
         _decode_split(
-            q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr,
-            split, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh,
-            stride_db, stride_dp, stride_bt, stride_ot, stride_oh, stride_lt, stride_lh,
-            num_heads, num_partials, softmax_scale, L, R, PAGE, BLOCK_H, BLOCK_N, HALF_L,
-            BLOCK_R, IS_FP8, PRECISION, SWAP_AB, PAGED, COMPUTE, PREFETCH, PF_LINES,
-            PF_REST, PF_LINE)
+            q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, ds_scales_ptr, ds_rope_ptr,
+            block_table_ptr, work_ptr, split, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
+            stride_qt, stride_qh, stride_db, stride_dp, stride_bt, stride_ot, stride_oh,
+            stride_lt, stride_lh, num_heads, num_partials, softmax_scale, L, R, PAGE,
+            BLOCK_H, BLOCK_N, HALF_L, BLOCK_R, IS_FP8, DS_MLA, PRECISION, SWAP_AB, PAGED,
+            COMPUTE, PREFETCH, PF_LINES, PF_REST, PF_LINE)
 
 
 @triton.jit
 def _decode_split(
-    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, split,
-    out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt, stride_qh, stride_db, stride_dp,
-    stride_bt, stride_ot, stride_oh, stride_lt, stride_lh, num_heads, num_partials,
-    softmax_scale, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
-    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
-    SWAP_AB: tl.constexpr, PAGED: tl.constexpr, COMPUTE: tl.constexpr,
+    q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, ds_scales_ptr, ds_rope_ptr,
+    block_table_ptr, work_ptr, split, out_ptr, lse_ptr, part_ptr, part_lse_ptr, stride_qt,
+    stride_qh, stride_db, stride_dp, stride_bt, stride_ot, stride_oh, stride_lt, stride_lh,
+    num_heads, num_partials, softmax_scale, L: tl.constexpr, R: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, IS_FP8: tl.constexpr, DS_MLA: tl.constexpr,
+    PRECISION: tl.constexpr, SWAP_AB: tl.constexpr, PAGED: tl.constexpr,
+    COMPUTE: tl.constexpr,
     PREFETCH: tl.constexpr, PF_LINES: tl.constexpr, PF_REST: tl.constexpr,
     PF_LINE: tl.constexpr,
 ):
@@ -418,9 +450,14 @@ def _decode_split(
                 True, PRECISION, SWAP_AB)
     else:
         for start in range(lo, hi, BLOCK_N):
-            kv_a, kv_b, k_pe = _gather_tile(data_ptr, table_row, start, hi, stride_db,
-                                            stride_dp, COMPUTE, L, R, PAGE, BLOCK_N,
-                                            HALF_L, BLOCK_R)
+            if DS_MLA:
+                kv_a, kv_b, k_pe = _gather_ds_mla_tile(
+                    data_ptr, ds_scales_ptr, ds_rope_ptr, table_row, start, hi, stride_db,
+                    stride_dp, COMPUTE, PAGE, BLOCK_N, HALF_L, BLOCK_R)
+            else:
+                kv_a, kv_b, k_pe = _gather_tile(data_ptr, table_row, start, hi, stride_db,
+                                                stride_dp, COMPUTE, L, R, PAGE, BLOCK_N,
+                                                HALF_L, BLOCK_R)
             visible = _visible(start + tl.arange(0, BLOCK_N), hi, limit, SWAP_AB)
             acc_a, acc_b, m_i, l_i = _attend_tile(
                 acc_a, acc_b, m_i, l_i, kv_a, kv_b, k_pe, q_a, q_b, q_pe, visible,
@@ -487,33 +524,40 @@ def decode_partial(
     persistent plan.
 
     q [T, N, L + R]; data [num_blocks, page, L + R] (q's dtype, or fp8 scaled by `scale`
-    [] float32); out [T, N, L] and lse [N, T] for requests in one split, part_out
-    [.., plan.rows, L] and part_lse float32 for the others' partials (as
-    `decode.mla_decode`)."""
+    [] float32), or fp8_ds_mla entries uint8 [num_blocks, page, 656] (L = 512, R = 64;
+    gathered row by row whatever `config.paged` says); out [T, N, L] and lse [N, T] for
+    requests in one split, part_out [.., plan.rows, L] and part_lse float32 for the
+    others' partials (as `decode.mla_decode`)."""
     num_heads = q.shape[1]
     R = q.shape[2] - L
     is_fp8 = data.dtype == FP8_DTYPE
+    ds_mla = data.dtype == DS_MLA_DTYPE
     block_n = config.block_n
     # fp8 widens to float16 (one instruction per two values; e4m3 is exact in float16)
     # and the 16-bit q is rounded to float16 too; float32 q keeps float32 products.
+    # fp8_ds_mla's dequantized values (e4m3 x a power of two up to 2^127) need q's range:
+    # products in q's dtype (bf16 holds them exactly).
     compute = _TL_DTYPES[torch.float16 if is_fp8 and q.dtype != torch.float32 else q.dtype]
+    ds_views = ds_mla_views(data) if ds_mla else (data, data)
 
     half_l = max(32, next_pow2(L)) // 2
     block_r = max(16, next_pow2(R)) if R > 0 else 16
-    descs = _page_descriptors(data, block_n, half_l, block_r, L) if config.paged else None
+    paged = config.paged and not ds_mla
+    descs = _page_descriptors(data, block_n, half_l, block_r, L) if paged else None
     # L2 prefetch of tiles ahead (inline PTX: GPU only, and only with bulk copies).
     prefetch = config.prefetch if descs is not None and not INTERPRETED else 0
     pf_line = 128 // data.element_size()  # elements per 128-byte line
     pf_lines, pf_rest = split_pow2(cdiv(block_n * data.stride(1), pf_line))
     pf_rest = next_pow2(pf_rest) if pf_rest else 0
     _decode_partial_kernel[(head_groups, plan.programs)](
-        q, data, *(descs or (None, None)), scale, block_table, plan.work, plan.starts,
-        out, lse, part_out, part_lse,
+        q, data, *(descs or (None, None)), scale, *ds_views, block_table, plan.work,
+        plan.starts, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), data.stride(0), data.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
         num_heads, plan.rows, float(softmax_scale),
         L=L, R=R, PAGE=data.shape[1], BLOCK_H=config.block_h, BLOCK_N=block_n,
-        HALF_L=half_l, BLOCK_R=block_r, IS_FP8=is_fp8, PRECISION=dot_precision(q.dtype),
+        HALF_L=half_l, BLOCK_R=block_r, IS_FP8=is_fp8, DS_MLA=ds_mla,
+        PRECISION=dot_precision(q.dtype),
         SWAP_AB=config.swap_ab, PAGED=descs is not None, COMPUTE=compute,
         PREFETCH=prefetch, PF_LINES=pf_lines, PF_REST=pf_rest, PF_LINE=pf_line,
         num_warps=config.num_warps, num_stages=config.num_stages,

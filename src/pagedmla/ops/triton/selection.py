@@ -4,9 +4,11 @@ call runs it.
 Decode (stage 1 of `decode.mla_decode`): on a Hopper GPU with the Triton release the
 Gluon kernels are written for, `decode_hopper_fp8`, `decode_hopper` and
 `decode_hopper_heads`, in that order; then the portable Triton kernel
-(`decode_triton`), which takes any call. Prefill (`prefill.prefill_attention`): cuDNN
-for batches of equal-length sequences on a CUDA device, then on Hopper the Gluon kernel
-`prefill_hopper`, then the portable Triton kernel (`prefill_triton`). Each entry is a
+(`decode_triton`), which takes any call (an fp8_ds_mla cache runs only there: the Gluon
+kernels' `supported` want rows of L + R values, of q's dtype or fp8). Prefill
+(`prefill.prefill_attention`): cuDNN for batches of equal-length sequences on a CUDA
+device, then on Hopper the Gluon kernel `prefill_hopper`, then the portable Triton
+kernel (`prefill_triton`). Each entry is a
 typed spec: what it supports (a predicate on the call), and, for decode, what the split
 planner needs of it. docs/kernels.md mirrors these tables as (GPU, cache dtype, query
 rows per request, page size) -> kernel; tests/test_triton_selection.py checks both
@@ -24,10 +26,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedmla.cache import FP8_DTYPE
 from pagedmla.ops.triton import decode_triton, prefill_cudnn, prefill_triton
 from pagedmla.ops.triton._utils import Platform, device_platform, next_pow2
-from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config
+from pagedmla.ops.triton.decode_triton import DecodeConfig, pick_config, quantized
 from pagedmla.ops.triton.prefill_triton import PrefillConfig
 from pagedmla.ops.triton.split_plan import TAIL_WAVE
 
@@ -138,7 +139,7 @@ def decode_kernel(
     N * max_query_len, L the latent width. config: what the portable kernel, the last
     entry, runs with (None: the regime's, `pick_config`). platform: the device's
     (`device_platform(q.device)`) unless given."""
-    config = config or pick_config(num_rows, q.dtype, data.dtype == FP8_DTYPE)
+    config = config or pick_config(num_rows, q.dtype, quantized(data))
     table = decode_kernels(platform or device_platform(q.device), config, num_rows)
     return next(entry for entry in table if entry.supports(q, data, num_rows, L))
 
