@@ -204,8 +204,9 @@ def test_memory_report_of_one_process(checkpoints, single) -> None:
     assert llm.memory.kv_cache_tokens == (OPTIONS["num_kv_blocks"] - 1) * OPTIONS["block_size"]
     assert llm.memory.load_seconds > 0 and llm.memory_per_rank == [llm.memory]
     assert re.fullmatch(r"rank 0: weights \d+\.\d{3} GiB, KV cache \d+\.\d{3} GiB "
-                        r"\(376 tokens\), weights loaded in \d+\.\d s \(0\.001 GiB of "
-                        r"checkpoint read\)", str(llm.memory))
+                        r"\(376 tokens; float32, 320 bytes per token and layer\), weights "
+                        r"loaded in \d+\.\d s \(0\.001 GiB of checkpoint read\)",
+                        str(llm.memory))
 
 
 def test_what_does_not_fit_says_how_much_is_missing() -> None:

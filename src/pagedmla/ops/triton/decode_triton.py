@@ -341,10 +341,11 @@ def _decode_partial_kernel(
     descriptors over the cache viewed as [pages x PAGE, L + R]); otherwise gathered
     through data_ptr (DS_MLA: fp8_ds_mla entries, their scales and rope values through
     ds_scales_ptr and ds_rope_ptr, views of the same bytes). A request in one split
-    gets its final out [T, N, L] (q dtype) and lse [N, T] through (stride_ot, stride_oh) and (stride_lt, stride_lh); a cut one
-    float32 partials, at row (token x N + head) x num_partials + the split's partial index
-    (field 7) of part [.., L] and part_lse (a row's splits adjacent); a row whose split
-    holds no visible key gets lse -inf and no output (the combine never reads it).
+    gets its final out [T, N, L] (q dtype) and lse [N, T] through (stride_ot,
+    stride_oh) and (stride_lt, stride_lh); a cut one float32 partials, at row (token x N
+    + head) x num_partials + the split's partial index (field 7) of part [.., L] and
+    part_lse (a row's splits adjacent); a row whose split holds no visible key gets lse
+    -inf and no output (the combine never reads it).
     """
     program = tl.program_id(1)
     for split in range(tl.load(starts_ptr + program), tl.load(starts_ptr + program + 1)):
