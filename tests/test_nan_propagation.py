@@ -33,12 +33,13 @@ V2_LITE = MLADims(num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_
 V3_HEADS = MLADims(num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128,
                    qk_rope_head_dim=64, v_head_dim=128)
 
-# (query_lens, seq_lens, workspace rows): the request that gets the NaN is the last one.
+# (query_lens, seq_lens, chunked: a workspace of one page, so that the last request's
+# context takes several chunks): the request that gets the NaN is the last one.
 PATHS = {
-    "decode": ([1, 1, 1], [9, 40, 70], None),
-    "decode, split-KV": ([1, 1], [40, 900], None),  # the long request is cut into splits
-    "prefill": ([1, 7, 20], [30, 7, 20], None),
-    "chunked context": ([1, 6, 5], [30, 23, 60], 16),
+    "decode": ([1, 1, 1], [9, 40, 70], False),
+    "decode, split-KV": ([1, 1], [40, 900], False),  # the long request is cut into splits
+    "prefill": ([1, 7, 20], [30, 7, 20], False),
+    "chunked context": ([1, 6, 5], [30, 23, 200], True),
 }
 
 # (device, backend, dims, dtype, cache dtype, page size)
@@ -85,7 +86,7 @@ def case(request) -> tuple:
 @pytest.mark.parametrize("where", ["query row", "new latent", "context latent"])
 def test_a_nan_reaches_every_row_that_depends_on_it(case: tuple, path: str, where: str) -> None:
     device, backend, dims, dtype, cache, block_size = case
-    query_lens, seq_lens, workspace_rows = PATHS[path]
+    query_lens, seq_lens, chunked = PATHS[path]
     if where == "context latent" and seq_lens[-1] == query_lens[-1]:
         pytest.skip("this path's last request has no context")
     batch = make_paged_batch(dims, query_lens, seq_lens, block_size, dtype=dtype,
@@ -106,7 +107,7 @@ def test_a_nan_reaches_every_row_that_depends_on_it(case: tuple, path: str, wher
         block = batch.blocks[-1][position // block_size]
         batch.cache.data[block, position % block_size, 7] = math.nan
         depends[rows] = True
-    _assert_nan_exactly_where(_run(batch, backend, workspace_rows), depends)
+    _assert_nan_exactly_where(_run(batch, backend, block_size if chunked else None), depends)
 
 
 BACKENDS = ["reference", "triton"]

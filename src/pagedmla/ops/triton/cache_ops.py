@@ -50,7 +50,8 @@ DS_MLA_TOKENS = 16  # tokens per program of the fp8_ds_mla write and gather
 
 @triton.jit
 def _quantize_fp8(x, scale, SOFTWARE_ROUND: tl.constexpr):
-    """x / scale clamped to +-448, ready for float8_e4m3fn (round to nearest even).
+    """x / scale clamped to +-448 (NaN stays NaN), ready for float8_e4m3fn (round to
+    nearest even).
 
     SOFTWARE_ROUND (interpreter only): Triton 3.9's interpreter rounds fp32 -> fp8
     wrongly where the mantissa carries into the exponent (31.9 -> 16), so the value is
@@ -59,7 +60,9 @@ def _quantize_fp8(x, scale, SOFTWARE_ROUND: tl.constexpr):
     """
     # Correctly rounded division, as torch's x / scale (bit-exact cache contents).
     y = tl.math.div_rn(x.to(tl.float32), scale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    # Saturate, keeping NaN (plain min / max return the other operand for NaN).
+    nan = tl.PropagateNan.ALL
+    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=nan), 448.0, propagate_nan=nan)
     if SOFTWARE_ROUND:
         bits = y.to(tl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 127
