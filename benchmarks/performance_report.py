@@ -61,7 +61,7 @@ SPEED_BEGIN = "<!-- speed: rendered by `python -m benchmarks.performance_report`
 SPEED_END = "<!-- /speed -->"
 MILLION = 1 << 20  # "1M cached tokens" in the README's summary
 # Result files whose sections are rendered only once they exist.
-FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h200.json", "moe_fp8_h200.json", "v3_layers_h200.json"
+FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h100.json", "moe_fp8_h100.json", "v3_layers_h200.json"
 MEMORY_PLAN = "memory_plan.json"
 
 

@@ -190,12 +190,13 @@ LIMITS = {
     "context run the Gluon kernel.",
     "prefill_kernel": "The tensor cores, and at N = 128 reuse through L2: heads are "
     "launched in groups whose keys and values fit half the L2.",
-    "gemm_read": "HBM bandwidth: the fp8 weight is read once; where the output tiles "
-    "cannot fill the GPU (q_a, kv_a), split-K programs share a tile's K steps and a "
-    "second kernel sums their float32 partials.",
-    "gemm_compute": "The fp8 tensor cores; each 128-column K step also scales its "
-    "products by the activation and weight block scales in float32, outside the tensor "
-    "cores, which a per-tensor-scaled GEMM does not.",
+    "gemm_read": "Not the HBM: at 7-31% of its read rate the kernel is bound by its "
+    "own instructions (not yet profiled). Suspected: below 64 rows the fp8 dot is not a "
+    "wgmma, and each program quantizes its x tiles with IEEE divisions in every K step; "
+    "`dequantize_weights=True` serves such checkpoints with bf16 GEMMs meanwhile.",
+    "gemm_compute": "Pointer loads without the bulk-copy engine, and each 128-column K "
+    "step scales its products by both block scales in float32 outside the tensor cores, "
+    "which ends the asynchronous MMA chain every step (not yet profiled).",
     "engine": "Asynchronous scheduling plans and enqueues step n+1 while the device runs "
     "step n; the host's own work (Python per sequence) adds to a step only where it "
     "exceeds the device's time.",

@@ -117,3 +117,21 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(fp8_chec
     prompts = _prompts(97, [3, 17, 40, 9], seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
     _check_against_hf(hf, prompts, llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_dequantized_weights_give_the_same_logprobs(fp8_checkpoint):
+    """`dequantize_weights` holds the weights in the model dtype, dequantized at load: on
+    the CPU exactly what the reference backend's per-call dequantization computes."""
+    _, path = fp8_checkpoint
+    prompts = _prompts(97, [5, 12], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    outs = []
+    for dequantize in (False, True):
+        llm = LLM(model=path, dtype=torch.float32, device="cpu", block_size=8,
+                  num_kv_blocks=64, dequantize_weights=dequantize)
+        fp8 = [k for k, v in llm.model.state_dict().items() if v.dtype == FP8]
+        assert bool(fp8) != dequantize
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+    for kept, dequantized in zip(*outs, strict=True):
+        assert kept.outputs[0].token_ids == dequantized.outputs[0].token_ids
+        assert kept.outputs[0].logprobs == dequantized.outputs[0].logprobs

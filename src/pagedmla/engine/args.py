@@ -65,6 +65,9 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence, prompt and output (default: the model's "
         "max_position_embeddings)"})
+    dequantize_weights: bool = field(default=False, metadata={
+        "help": "hold a block-fp8 checkpoint's weights in the model dtype, dequantized at "
+        "load (twice the memory of fp8, bf16 GEMMs), instead of in fp8"})
     # Cache
     block_size: int = field(default=64, metadata={
         "help": "tokens per cache page (on Hopper, multiples of 8 get the Gluon decode "
@@ -156,8 +159,8 @@ class EngineArgs:
         if self.backend not in available_backends():
             raise ValueError(f"backend must be one of {available_backends()}, got "
                              f"{self.backend!r}")
-        for name in ("enable_prefix_caching", "async_scheduling", "enforce_eager",
-                     "route_by_cost"):
+        for name in ("dequantize_weights", "enable_prefix_caching", "async_scheduling",
+                     "enforce_eager", "route_by_cost"):
             boolean(name, getattr(self, name))
         # torch.Generator.manual_seed's range.
         self.seed = integer("seed", self.seed, minimum=0, maximum=2**64 - 1)

@@ -124,7 +124,8 @@ class LLM:
         start = time.perf_counter()
         # The plan knows the rank's weights before any is allocated (nothing is yet).
         plan = plan_model(args.model, dtype, args.backend,
-                          None if self.parallel is None else self.parallel.sharder())
+                          None if self.parallel is None else self.parallel.sharder(),
+                          keep_fp8=not args.dequantize_weights)
         self.config, self.tokenizer = plan.config, plan.tokenizer
         dims = plan.module.dims
         positions = self.config.max_position_embeddings

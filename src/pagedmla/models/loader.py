@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +150,16 @@ def plan_model(
     dtype: torch.dtype = torch.float32,
     backend: str = "auto",
     shard: Sharder | None = None,
+    keep_fp8: bool = True,
 ) -> ModelPlan:
     """The plan of loading `model` ("tiny" or a checkpoint directory) in `dtype`, sharded
-    by `shard` (None: whole). Reads config.json, the tokenizer and the shards' headers;
-    allocates nothing."""
+    by `shard` (None: whole); a block-fp8 checkpoint's weights kept in fp8, or with
+    `keep_fp8` False dequantized to `dtype` as they are read. Reads config.json, the
+    tokenizer and the shards' headers; allocates nothing."""
     config_dict = _config_dict(model)
     config = _parse_config(model, config_dict)
+    if not keep_fp8:
+        config = replace(config, weight_block_size=None)
     checkpoint = None
     tokenizer: TextTokenizer | None = ByteTokenizer()
     if str(model) != "tiny":
