@@ -14,6 +14,7 @@ from pagedmla import LLM, SamplingParams
 from pagedmla.engine.cuda_graph import GraphInputs, capture_sizes
 from pagedmla.metadata import BatchSpec
 from pagedmla.models.tiny import write_tiny_checkpoint
+from tests.engine_helpers import assert_same_completions
 
 
 def test_capture_sizes_cover_every_batch() -> None:
@@ -150,12 +151,7 @@ def test_fp8_weights_graphs_match_eager(tmp_path) -> None:
         assert (llm.runner.graphs is None) == eager
         runs.append(llm.generate(prompts, params, use_tqdm=False))
         llm.close()
-    for eager_out, graph_out in zip(*runs, strict=True):
-        a, b = eager_out.outputs[0], graph_out.outputs[0]
-        assert a.token_ids == b.token_ids
-        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-            for token, value in step_a.items():
-                assert abs(value - step_b[token]) < 1e-3
+    assert_same_completions(*runs)
 
 
 @pytest.mark.cuda
@@ -183,9 +179,4 @@ def test_parallel_graphs_match_eager(dcp: int, checkpoint: bool, tmp_path) -> No
             assert (pieces[0] > 0) != eager
             workers = list(llm.parallel.workers.procs)
         assert not any(proc.is_alive() for proc in workers)
-    for eager_out, graph_out in zip(*runs, strict=True):
-        a, b = eager_out.outputs[0], graph_out.outputs[0]
-        assert a.token_ids == b.token_ids
-        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-            for token, value in step_a.items():
-                assert abs(value - step_b[token]) < 1e-3
+    assert_same_completions(*runs)

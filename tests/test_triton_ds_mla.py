@@ -22,6 +22,7 @@ from pagedmla.testing import ds_mla_entries, ds_mla_rows, make_paged_batch, rela
 pytest.importorskip("triton")
 
 from pagedmla.ops.triton import gather_cache, mla_decode, write_cache
+from tests.engine_helpers import assert_same_completions
 from tests.triton_helpers import DEVICE, TINY_DECODE, _cu, _run_layer, cuda, runnable
 
 DS_DIMS = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
@@ -239,9 +240,4 @@ def test_ds_mla_engine_graphs_match_eager(tmp_path) -> None:
                   kv_cache_dtype="fp8_ds_mla")
         assert llm.caches[0].data.shape[-1] == 656 and (llm.runner.graphs is None) == eager
         runs.append(llm.generate(prompts, params, use_tqdm=False))
-    for eager_out, graph_out in zip(*runs, strict=True):
-        a, b = eager_out.outputs[0], graph_out.outputs[0]
-        assert a.token_ids == b.token_ids
-        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
-            for token, value in step_a.items():
-                assert abs(value - step_b[token]) < 1e-3
+    assert_same_completions(*runs)

@@ -146,16 +146,14 @@ def write_cache(
 
 
 @triton.jit
-def _gather_cache_kernel(
-    data_ptr, scale_ptr, block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr,
-    out_ptr,
-    stride_db, stride_dp, stride_bt, stride_ot, num_rows,
-    W1: tl.constexpr, W2: tl.constexpr, BLOCK_W2: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, IS_FP8: tl.constexpr,
+def _context_rows(
+    block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr, stride_db, stride_dp,
+    stride_bt, num_rows, PAGE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    """BLOCK_ROWS output rows: row r belongs to request j = token_to_seq[r] and is its
-    context position starts[j] + r - cu_seq_lens[j]. A row is W1 + W2 wide (W1 a power
-    of two, W2 the rest: 576 = 512 + 64)."""
+    """Program pid(0)'s BLOCK_ROWS output rows of a gather, which of them exist, and each
+    one's cache offset (block * stride_db + page offset * stride_dp): row r belongs to
+    request j = token_to_seq[r] and is its context position starts[j] + r -
+    cu_seq_lens[j]."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < num_rows
     seq = tl.load(token_to_seq_ptr + rows, mask=row_ok, other=0)
@@ -163,7 +161,23 @@ def _gather_cache_kernel(
         cu_seq_lens_ptr + seq, mask=row_ok, other=0)
     block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // PAGE,
                     mask=row_ok, other=0).to(tl.int64)
-    src = data_ptr + block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
+    return rows, row_ok, block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
+
+
+@triton.jit
+def _gather_cache_kernel(
+    data_ptr, scale_ptr, block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr,
+    out_ptr,
+    stride_db, stride_dp, stride_bt, stride_ot, num_rows,
+    W1: tl.constexpr, W2: tl.constexpr, BLOCK_W2: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, IS_FP8: tl.constexpr,
+):
+    """BLOCK_ROWS output rows (`_context_rows`), each W1 + W2 wide (W1 a power of two,
+    W2 the rest: 576 = 512 + 64)."""
+    rows, row_ok, src = _context_rows(
+        block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr, stride_db,
+        stride_dp, stride_bt, num_rows, PAGE, BLOCK_ROWS)
+    src += data_ptr
     dst = out_ptr + rows.to(tl.int64) * stride_ot
     if IS_FP8:
         scale = tl.load(scale_ptr)
@@ -310,14 +324,9 @@ def _gather_ds_mla_kernel(
 ):
     """As _gather_cache_kernel for fp8_ds_mla entries (strides in bytes): out rows
     [latent (512) | rope (64)] in out's dtype."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_ok = rows < num_rows
-    seq = tl.load(token_to_seq_ptr + rows, mask=row_ok, other=0)
-    pos = tl.load(starts_ptr + seq, mask=row_ok, other=0) + rows - tl.load(
-        cu_seq_lens_ptr + seq, mask=row_ok, other=0)
-    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // PAGE,
-                    mask=row_ok, other=0).to(tl.int64)
-    src = block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
+    rows, row_ok, src = _context_rows(
+        block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr, stride_db,
+        stride_dp, stride_bt, num_rows, PAGE, BLOCK_ROWS)
     dst = out_ptr + rows.to(tl.int64) * stride_ot
     cols = tl.arange(0, _GROUP)
     for g in tl.static_range(_GROUPS):
