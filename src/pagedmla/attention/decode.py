@@ -14,6 +14,18 @@ from pagedmla.metadata import DecodeMetadata
 from pagedmla.ops import Backend
 
 
+def absorb_query(q: torch.Tensor, W_UK: torch.Tensor) -> torch.Tensor:
+    """q [T, N, P + R], W_UK [N, P, L] -> the absorbed query [T, N, L + R] in q's dtype:
+    q_nope @ W_UK per head, then q's rope part."""
+    P, L = W_UK.shape[1], W_UK.shape[2]
+    q_nope, q_pe = q[..., :P], q[..., P:]
+    q_mqa = torch.empty(q.shape[0], q.shape[1], L + q_pe.shape[-1], dtype=q.dtype, device=q.device)
+    # [N, T, P] @ [N, P, L], written straight into the token-major query buffer.
+    torch.bmm(q_nope.transpose(0, 1), W_UK, out=q_mqa[..., :L].transpose(0, 1))
+    q_mqa[..., L:] = q_pe
+    return q_mqa
+
+
 def absorbed_decode(
     q: torch.Tensor,
     W_UK: torch.Tensor,
@@ -25,13 +37,8 @@ def absorbed_decode(
     out: torch.Tensor,
 ) -> None:
     """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> out [Td, N, V]."""
-    P = W_UK.shape[1]
     L = W_UK.shape[2]
-    q_nope, q_pe = q[..., :P], q[..., P:]
-    q_mqa = torch.empty(q.shape[0], q.shape[1], L + q_pe.shape[-1], dtype=q.dtype, device=q.device)
-    # [N, Td, P] @ [N, P, L], written straight into the token-major query buffer.
-    torch.bmm(q_nope.transpose(0, 1), W_UK, out=q_mqa[..., :L].transpose(0, 1))
-    q_mqa[..., L:] = q_pe
+    q_mqa = absorb_query(q, W_UK)
     if meta.dcp is not None:
         # Decode context parallel: attend for the whole group's heads over this rank's rows.
         q_mqa = meta.dcp.gather_queries(q_mqa)
