@@ -222,11 +222,11 @@ def test_check_sparse_indices() -> None:
     check_sparse_indices(all_positions(batch, 75), batch.query_lens, batch.seq_lens)
     repeated = indices.clone()
     repeated[3, :2] = 1  # token 3 is at position 2 of request 1: 1 is visible
-    with pytest.raises(ValueError, match="query token 3 .* 1 is repeated"):
+    with pytest.raises(ValueError, match=r"query token 3 .* 1 is repeated"):
         check_sparse_indices(repeated, batch.query_lens, batch.seq_lens)
     negative = indices.clone()
     negative[0, 0] = -2
-    with pytest.raises(ValueError, match="query token 0 .* -2 is outside"):
+    with pytest.raises(ValueError, match=r"query token 0 .* -2 is outside"):
         check_sparse_indices(negative, batch.query_lens, batch.seq_lens)
     with pytest.raises(TypeError, match="int32"):
         check_sparse_indices(indices.long(), batch.query_lens, batch.seq_lens)
