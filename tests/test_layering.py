@@ -19,7 +19,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, ...]] = [
     # Plain values and host-side planning: no tensors of the model.
     ("pagedmla.device", "pagedmla.dims", "pagedmla.validation", "pagedmla.planner",
-     "pagedmla.tokenizer"),
+     "pagedmla.tokenizer", "pagedmla.host_arrays"),
     # The paged cache and the path cost model.
     ("pagedmla.cache", "pagedmla.routing"),
     # Kernels: know nothing of metadata classes, layers, models or the engine.

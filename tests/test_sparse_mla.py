@@ -17,13 +17,16 @@ are float32 too) 1e-4, as in test_attention_oracle. bfloat16 queries: 2e-2.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from pagedmla import MLAAttention, MLADims, MLAMetadataBuilder
 from pagedmla.attention.decode import absorb_query
-from pagedmla.attention.sparse import fits_in_topk, sparse_mla
+from pagedmla.attention.sparse import sparse_mla
+from pagedmla.metadata import MLAMetadata
+from pagedmla.ops import REFERENCE
 from pagedmla.ops.reference_sparse import (
     check_sparse_indices,
     sparse_mla_attention,
@@ -282,12 +285,17 @@ def test_chunked_queries_equal_one_chunk(rows: int) -> None:
     torch.testing.assert_close(lse, whole_lse, rtol=1e-6, atol=1e-6)
 
 
+def sparse_meta(batch: PagedBatch, topk: int) -> MLAMetadata:
+    builder = MLAMetadataBuilder(batch.dims, block_size=batch.block_size, index_topk=topk)
+    return builder.build(batch.spec)
+
+
 def _layer(batch: PagedBatch, indices: torch.Tensor) -> torch.Tensor:
+    """MLAAttention with the indices: the cache write, then sparse attention."""
     attn = MLAAttention(batch.dims, softmax_scale=batch.softmax_scale,
                         kv_b_proj=batch.kv_b_proj, backend="reference")
-    q_mqa = absorb_query(batch.q, attn.W_UK)
-    return sparse_mla(q_mqa, indices, batch.cache, attn.W_UV, *batch_tensors(batch),
-                      batch.softmax_scale)
+    meta = sparse_meta(batch, indices.shape[1])
+    return attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, meta, indices=indices)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", CACHES)
@@ -313,8 +321,8 @@ def test_all_positions_equal_dense_attention(case: str) -> None:
                         kv_b_proj=batch.kv_b_proj, backend="reference")
     dense = attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, builder.build(batch.spec))
     topk = max(batch.seq_lens) + 3
-    assert fits_in_topk(batch.seq_lens, topk)
-    assert not fits_in_topk(batch.seq_lens, max(batch.seq_lens) - 1)
+    assert sparse_meta(batch, max(batch.seq_lens)).sparse.dense
+    assert not sparse_meta(batch, max(batch.seq_lens) - 1).sparse.dense
     sparse = _layer(batch, all_positions(batch, topk))
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
     assert relative_error(sparse, batch.oracle(decode_threshold=threshold)) < LAYER_TOL
@@ -325,12 +333,11 @@ def test_sparse_mla_checks_its_arguments() -> None:
     attn = MLAAttention(batch.dims, kv_b_proj=batch.kv_b_proj, backend="reference")
     q_mqa = absorb_query(batch.q, attn.W_UK)
     indices = random_indices(batch, topk=4, seed=21)
-    tables = batch_tensors(batch)
+    sparse = sparse_meta(batch, 4).sparse
 
     def call(**change):
         args = dict(q_mqa=q_mqa, indices=indices, cache=batch.cache, W_UV=attn.W_UV,
-                    block_table=tables[0], seq_lens=tables[1], query_start_loc=tables[2],
-                    softmax_scale=0.1)
+                    sparse=sparse, softmax_scale=0.1, ops=REFERENCE)
         return sparse_mla(**{**args, **change})
 
     with pytest.raises(ValueError, match="indices must be int32"):
@@ -340,7 +347,9 @@ def test_sparse_mla_checks_its_arguments() -> None:
     with pytest.raises(ValueError, match=r"q_mqa must have shape \[12, 4, 40\]"):
         call(q_mqa=batch.q)
     with pytest.raises(ValueError, match=r"query_start_loc must have shape \[4\]"):
-        call(query_start_loc=tables[2][:-1])
+        call(sparse=replace(sparse, query_start_loc=sparse.query_start_loc[:-1]))
+    with pytest.raises(TypeError, match="sparse must be SparseMetadata"):
+        call(sparse=None)
     with pytest.raises(ValueError, match="W_UV must have shape"):
         call(W_UV=attn.W_UV[:2])
     with pytest.raises(TypeError, match="cache must be a LatentKVCache"):

@@ -161,6 +161,10 @@ class LatentKVCache:
                                 device=self.device)
         self._scale = torch.tensor(scale if self.is_fp8 else 1.0, dtype=torch.float32,
                                    device=self.device)
+        # A sparse-attention (DSA) layer's indexer keys, paged like the latents (the same
+        # slots, so prefix caching and preemption keep them with their blocks); set by the
+        # engine (`ops.reference_indexer.allocate_indexer_cache`), else None.
+        self.index_keys: torch.Tensor | None = None
 
     @property
     def scale(self) -> torch.Tensor:

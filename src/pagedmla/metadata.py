@@ -18,6 +18,7 @@ import torch
 
 from pagedmla.device import resolve_device
 from pagedmla.dims import MLADims
+from pagedmla.host_arrays import Int32Upload, check_host_tensor, int_list
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
 from pagedmla.routing import PathCostModel
 
@@ -169,8 +170,30 @@ class PrefillMetadata:
 
 
 @dataclass
+class SparseMetadata:
+    """The whole batch as sparse attention and its indexer see it (DeepSeek Sparse
+    Attention: every query token attends to its own top-k positions, decode and prefill
+    rows alike).
+
+    block_table [B, max_blocks] int32, seq_lens [B] int32, query_start_loc [B + 1] int32,
+    on the device; max_seq_len the longest seq_len (host int); topk the indexer's k.
+    dense: every query sees at most topk positions, so its selection is its whole causal
+    context and the dense paths give the sparse result (the indexer then only writes its
+    keys).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    topk: int
+    dense: bool
+
+
+@dataclass
 class MLAMetadata:
-    """Everything one MLA layer needs for a step; T tokens, decodes first."""
+    """Everything one MLA layer needs for a step; T tokens, decodes first. sparse: the
+    batch for sparse attention, for a builder given index_topk; else None."""
 
     num_tokens: int
     num_decodes: int
@@ -186,6 +209,7 @@ class MLAMetadata:
     device: torch.device
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    sparse: SparseMetadata | None = None
 
     def for_forward(self) -> MLAMetadata:
         """This metadata for one forward over all layers: its decode part gets an empty
@@ -219,47 +243,6 @@ class MLAMetadata:
         return "\n".join(lines)
 
 
-class _Int32Upload:
-    """Collects host int32 arrays and moves them to the device in one copy."""
-
-    def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
-        self._size = 0
-
-    def add(self, values: Sequence[int] | np.ndarray) -> tuple[int, int]:
-        array = np.asarray(values, dtype=np.int32).reshape(-1)
-        self._parts.append(array)
-        self._size += array.size
-        return self._size - array.size, array.size
-
-    def upload(self, device: torch.device) -> torch.Tensor:
-        host = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
-        return torch.from_numpy(host).to(device, non_blocking=True)
-
-
-def _int_list(name: str, values: Sequence[int]) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
-        out.append(int(v))
-    return out
-
-
-def _check_host_tensor(name: str, tensor: object, dtype: torch.dtype, ndim: int) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be on the host (cpu), got {tensor.device}")
-    return tensor
-
-
 class MLAMetadataBuilder:
     """Builds MLAMetadata for one attention configuration.
 
@@ -269,7 +252,9 @@ class MLAMetadataBuilder:
     path (> 1 enables multi-token decode, bottom-right causal). router: a cost model
     (`PathCostModel`) that also sends longer requests to the absorbed MQA path when it
     predicts that to be cheaper (short chunked-prefill pieces over long contexts).
-    Requests taking the MQA path must come first in a batch.
+    Requests taking the MQA path must come first in a batch. index_topk: the top-k of a
+    sparse-attention model's indexer; the metadata then describes the whole batch for it
+    (`SparseMetadata`).
     """
 
     def __init__(
@@ -282,10 +267,12 @@ class MLAMetadataBuilder:
         max_model_len: int = 8192,
         max_num_seqs: int = 256,
         router: PathCostModel | None = None,
+        index_topk: int | None = None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be MLADims, got {type(dims).__name__}")
-        for name, value in (("block_size", block_size), ("decode_threshold", decode_threshold)):
+        for name, value in (("block_size", block_size), ("decode_threshold", decode_threshold),
+                            ("index_topk", 1 if index_topk is None else index_topk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if workspace_rows is None:
@@ -305,6 +292,7 @@ class MLAMetadataBuilder:
         self.device = resolve_device(device)
         self.decode_threshold = decode_threshold
         self.router = router
+        self.index_topk = index_topk
         self.workspace = Workspace(workspace_rows, self.device)
         # The decode path's collectives under decode context parallelism.
         self.decode_hook: DecodeHook | None = None
@@ -344,8 +332,11 @@ class MLAMetadataBuilder:
         num_decode_tokens = sum(query_lens[:num_decodes])
         query_start_loc = list(itertools.accumulate(query_lens, initial=0))
 
-        upload = _Int32Upload()
+        upload = Int32Upload()
         table_handle = upload.add(block_table.numpy())
+        sparse_handles = None
+        if self.index_topk is not None:
+            sparse_handles = (upload.add(seq_lens), upload.add(query_start_loc))
         decode_handles = prefill_handles = None
         decode_seq_lens = self._decode_seq_lens(seq_lens[:num_decodes])
         if num_decodes:
@@ -385,6 +376,13 @@ class MLAMetadataBuilder:
                 table[num_decodes:], view, prefill_handles, prefill_qsl, plans,
                 query_lens[num_decodes:], seq_lens[num_decodes:], context_lens,
             )
+        sparse = None
+        if sparse_handles is not None:
+            sparse = SparseMetadata(
+                block_table=table, seq_lens=view(sparse_handles[0]),
+                query_start_loc=view(sparse_handles[1]), max_seq_len=max(seq_lens),
+                topk=self.index_topk, dense=max(seq_lens) <= self.index_topk,
+            )
         slots = slot_mapping.to(self.device, non_blocking=True)
         return MLAMetadata(
             num_tokens=num_tokens,
@@ -401,6 +399,7 @@ class MLAMetadataBuilder:
             device=self.device,
             decode=decode,
             prefill=prefill,
+            sparse=sparse,
         )
 
     def _decode_seq_lens(self, seq_lens: list[int]) -> list[int]:
@@ -426,10 +425,10 @@ class MLAMetadataBuilder:
     ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, int]:
         """spec's fields checked (its slots too where `slots`), and the largest block id
         the requests use."""
-        query_lens = _int_list("query_lens", spec.query_lens)
-        seq_lens = _int_list("seq_lens", spec.seq_lens)
-        block_table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
-        slot_mapping = _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
+        query_lens = int_list("query_lens", spec.query_lens)
+        seq_lens = int_list("seq_lens", spec.seq_lens)
+        block_table = check_host_tensor("block_table", spec.block_table, torch.int32, 2)
+        slot_mapping = check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
         max_block = self._validate(query_lens, seq_lens, block_table, slot_mapping)
         if slots:
             self._validate_slots(query_lens, seq_lens, block_table.numpy(),
@@ -531,7 +530,7 @@ class MLAMetadataBuilder:
 
     @staticmethod
     def _chunk_arrays(
-        upload: _Int32Upload, plan: ContextChunkPlan, prefill_qsl: list[int]
+        upload: Int32Upload, plan: ContextChunkPlan, prefill_qsl: list[int]
     ) -> tuple[tuple[int, int], ...]:
         base = prefill_qsl[plan.request_start]
         return (

@@ -5,22 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedmla.attention.decode import absorbed_decode
+from pagedmla.attention.checks import expect_tensor, output_buffer
+from pagedmla.attention.decode import absorb_query, absorbed_decode
 from pagedmla.attention.prefill import mha_prefill
+from pagedmla.attention.sparse import sparse_mla
 from pagedmla.cache import MODEL_DTYPES, LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.metadata import MLAMetadata
 from pagedmla.ops import Backend
 from pagedmla.ops.registry import get_backend
 from pagedmla.validation import positive_finite
-
-
-def _expect_tensor(name: str, value: object, shape: tuple[int, ...]) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(value.shape)}")
-    return value
 
 
 class MLAAttention(nn.Module):
@@ -35,6 +29,9 @@ class MLAAttention(nn.Module):
     meta.num_decode_tokens) through the absorbed MQA path and the rest through the
     MHA path with chunked context, and returns [T, N * V]: `out` when given (a
     contiguous tensor of q's dtype and device, e.g. a static buffer), else a new one.
+    With `indices` [T, topk] int32 (a sparse-attention model's top-k positions per
+    token, `attention/sparse.py`), every token attends to its selected positions only,
+    by the absorbed path, whatever its query length.
     """
 
     def __init__(
@@ -67,7 +64,7 @@ class MLAAttention(nn.Module):
             weight = weight.weight
         d = self.dims
         N, L, P, V = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.v_head_dim
-        _expect_tensor("kv_b_proj", weight, (N * (P + V), L))
+        expect_tensor("kv_b_proj", weight, (N * (P + V), L))
         if weight.dtype not in MODEL_DTYPES:
             raise TypeError(f"kv_b_proj must have a dtype in {MODEL_DTYPES}, got {weight.dtype}")
         weight = weight.detach()
@@ -87,22 +84,19 @@ class MLAAttention(nn.Module):
         cache: LatentKVCache,
         meta: MLAMetadata,
         out: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._validate(q, kv_c_normed, k_pe, cache, meta)
+        if indices is not None and meta.sparse is None:
+            raise ValueError("indices need metadata built with index_topk (meta.sparse)")
         ops = self.ops(q.device)
         d = self.dims
         T = q.shape[0]
-        if out is None:
-            out = torch.empty(T, d.num_heads * d.v_head_dim, dtype=q.dtype, device=q.device)
-        else:
-            _expect_tensor("out", out, (T, d.num_heads * d.v_head_dim))
-            if out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
-                raise ValueError(
-                    f"out must be a contiguous {q.dtype} tensor on {q.device}, got "
-                    f"{'a contiguous' if out.is_contiguous() else 'a strided'} {out.dtype} "
-                    f"tensor on {out.device}"
-                )
+        out = output_buffer(out, (T, d.num_heads * d.v_head_dim), q)
         ops.write_cache(cache.data, kv_c_normed, k_pe, meta.slot_mapping, cache.scale)
+        if indices is not None:
+            return sparse_mla(absorb_query(q, self.W_UK), indices, cache, self.W_UV,
+                              meta.sparse, self.softmax_scale, ops, out)
         heads = out.view(T, d.num_heads, d.v_head_dim)
         Td = meta.num_decode_tokens
         if meta.decode is not None:
@@ -133,9 +127,9 @@ class MLAAttention(nn.Module):
         if self.kv_b_proj.numel() == 0:
             raise RuntimeError("MLAAttention has no kv_b_proj weight yet: call set_kv_b_proj")
         T = meta.num_tokens
-        _expect_tensor("q", q, (T, d.num_heads, d.qk_head_dim))
-        _expect_tensor("kv_c_normed", kv_c_normed, (T, d.kv_lora_rank))
-        _expect_tensor("k_pe", k_pe, (T, d.qk_rope_head_dim))
+        expect_tensor("q", q, (T, d.num_heads, d.qk_head_dim))
+        expect_tensor("kv_c_normed", kv_c_normed, (T, d.kv_lora_rank))
+        expect_tensor("k_pe", k_pe, (T, d.qk_rope_head_dim))
         if q.dtype not in MODEL_DTYPES:
             raise TypeError(f"q must have a dtype in {MODEL_DTYPES}, got {q.dtype}")
         for name, tensor in (("kv_c_normed", kv_c_normed), ("k_pe", k_pe)):

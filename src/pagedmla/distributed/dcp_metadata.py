@@ -17,15 +17,13 @@ from pagedmla.dims import MLADims
 from pagedmla.distributed.dcp_attention import ChunkGatherPlan, DCPContextGather, DCPDecode
 from pagedmla.distributed.dcp_layout import DCPLayout
 from pagedmla.distributed.state import ParallelState
+from pagedmla.host_arrays import Int32Upload, check_host_tensor, int_list
 from pagedmla.metadata import (
     BatchSpec,
     MLAMetadata,
     MLAMetadataBuilder,
     PrefillMetadata,
     Workspace,
-    _check_host_tensor,
-    _Int32Upload,
-    _int_list,
 )
 from pagedmla.planner import ContextChunkPlan, determine_workspace_rows, plan_context_chunks
 from pagedmla.routing import PathCostModel
@@ -89,11 +87,11 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
 
     def _rank_spec(self, spec: BatchSpec) -> BatchSpec:
         """This rank's slots; multi-token decodes split into single-token rows."""
-        query_lens = _int_list("query_lens", spec.query_lens)
-        seq_lens = _int_list("seq_lens", spec.seq_lens)
-        table = _check_host_tensor("block_table", spec.block_table, torch.int32, 2)
+        query_lens = int_list("query_lens", spec.query_lens)
+        seq_lens = int_list("seq_lens", spec.seq_lens)
+        table = check_host_tensor("block_table", spec.block_table, torch.int32, 2)
         slots = self.layout.local_slots(
-            _check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
+            check_host_tensor("slot_mapping", spec.slot_mapping, torch.int64, 1)
         )
         if (self.decode_threshold == 1 and self.router is None) or table.shape[0] != len(
             query_lens
@@ -127,7 +125,7 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
 
     def _context_gather(self, prefill: PrefillMetadata) -> DCPContextGather:
         assert prefill.context is not None
-        upload = _Int32Upload()
+        upload = Int32Upload()
         pending = [self._chunk_plan(upload, chunk.starts_list, chunk.seq_lens_list)
                    for chunk in prefill.context.chunks]
         packed = upload.upload(self.device)
@@ -142,7 +140,7 @@ class DCPMetadataBuilder(MLAMetadataBuilder):
         return DCPContextGather(self.state, plans, self.gather_buffers, self.rows_per_rank)
 
     def _chunk_plan(
-        self, upload: _Int32Upload, starts: tuple[int, ...], lengths: tuple[int, ...]
+        self, upload: Int32Upload, starts: tuple[int, ...], lengths: tuple[int, ...]
     ) -> tuple[int, int, tuple[tuple[int, int], ...]]:
         """(rows here, rows of the fullest rank, upload handles of the ChunkGatherPlan
         tensors) for a chunk covering context positions [starts[j], starts[j] + lengths[j])

@@ -1,4 +1,5 @@
-"""DeepseekConfig: the fields of a DeepSeek-V2/V3 `config.json` that the model needs.
+"""DeepseekConfig: the fields of a DeepSeek-V2/V3/V3.2 or GLM-5 (`glm_moe_dsa`)
+`config.json` that the model needs.
 
 Parsed from the plain dict, so that serving a checkpoint never imports `transformers`.
 Both spellings of the RoPE settings are read: `rope_scaling` (DeepSeek's own configs)
@@ -13,16 +14,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedmla.dims import MLADims, softmax_scale
+from pagedmla.models.config_values import (
+    checked_int,
+    flag,
+    optional_int,
+    positive_number,
+    required_int,
+)
+from pagedmla.models.dsa_config import DSA_MODEL_TYPES, IndexerConfig
 from pagedmla.ops.block_fp8 import DEFAULT_BLOCK_SIZE
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", *DSA_MODEL_TYPES)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 # V2 and V3 share field names but not router defaults: a transformers-5 V3 config has
 # no `topk_method`/`scoring_func` keys, because its router is always noaux_tc + sigmoid.
-_ROUTER_DEFAULTS = {"deepseek_v2": ("greedy", "softmax"), "deepseek_v3": ("noaux_tc", "sigmoid")}
+_ROUTER_DEFAULTS = {"deepseek_v2": ("greedy", "softmax"), "deepseek_v3": ("noaux_tc", "sigmoid"),
+                    "deepseek_v32": ("noaux_tc", "sigmoid"), "glm_moe_dsa": ("noaux_tc", "sigmoid")}
+_MLP_LAYER_TYPES = ("dense", "sparse")
 # The YaRN settings that models/rope.py and dims.py compute with.
 _YARN_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                  "mscale", "mscale_all_dim", "attention_factor")
@@ -36,7 +48,11 @@ class DeepseekConfig:
     (e.g. "yarn" with factor, original_max_position_embeddings, beta_fast, beta_slow,
     mscale, mscale_all_dim). `n_routed_experts` 0 means every layer is dense.
     `weight_block_size` is the (rows, columns) of a block-fp8 checkpoint's scale blocks
-    (`quantization_config`), None for weights in the model dtype.
+    (`quantization_config`), None for weights in the model dtype. `mlp_layer_types`
+    ("dense" or "sparse" per layer, as transformers writes it for V3.2 and GLM-5)
+    overrides first_k_dense_replace and moe_layer_freq where given. `indexer` is the
+    lightning indexer of a sparse-attention model (DeepSeek-V3.2, GLM-5), None for
+    dense MLA.
     """
 
     model_type: str
@@ -72,6 +88,8 @@ class DeepseekConfig:
     eos_token_id: int | list[int] | None = None
     architectures: tuple[str, ...] = field(default_factory=tuple)
     weight_block_size: tuple[int, int] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
+    indexer: IndexerConfig | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeepseekConfig:
@@ -107,39 +125,41 @@ class DeepseekConfig:
         default_topk, default_scoring = _ROUTER_DEFAULTS[model_type]
         config = cls(
             model_type=model_type,
-            vocab_size=_required_int(d, "vocab_size"),
-            hidden_size=_required_int(d, "hidden_size"),
-            intermediate_size=_required_int(d, "intermediate_size"),
-            num_hidden_layers=_required_int(d, "num_hidden_layers"),
-            num_attention_heads=_required_int(d, "num_attention_heads"),
-            kv_lora_rank=_required_int(d, "kv_lora_rank"),
-            qk_nope_head_dim=_required_int(d, "qk_nope_head_dim"),
-            qk_rope_head_dim=_required_int(d, "qk_rope_head_dim", minimum=0),
-            v_head_dim=_required_int(d, "v_head_dim"),
-            q_lora_rank=_optional_int(d, "q_lora_rank", None),
-            moe_intermediate_size=_optional_int(d, "moe_intermediate_size", 0, minimum=0),
-            n_routed_experts=_optional_int(d, "n_routed_experts", 0, minimum=0),
-            n_shared_experts=_optional_int(d, "n_shared_experts", 0, minimum=0),
-            num_experts_per_tok=_optional_int(d, "num_experts_per_tok", 0, minimum=0),
-            first_k_dense_replace=_optional_int(d, "first_k_dense_replace", 0, minimum=0),
-            moe_layer_freq=_optional_int(d, "moe_layer_freq", 1),
-            routed_scaling_factor=_positive_number(d, "routed_scaling_factor", 1.0),
+            vocab_size=required_int(d, "vocab_size"),
+            hidden_size=required_int(d, "hidden_size"),
+            intermediate_size=required_int(d, "intermediate_size"),
+            num_hidden_layers=required_int(d, "num_hidden_layers"),
+            num_attention_heads=required_int(d, "num_attention_heads"),
+            kv_lora_rank=required_int(d, "kv_lora_rank"),
+            qk_nope_head_dim=required_int(d, "qk_nope_head_dim"),
+            qk_rope_head_dim=required_int(d, "qk_rope_head_dim", minimum=0),
+            v_head_dim=required_int(d, "v_head_dim"),
+            q_lora_rank=optional_int(d, "q_lora_rank", None),
+            moe_intermediate_size=optional_int(d, "moe_intermediate_size", 0, minimum=0),
+            n_routed_experts=optional_int(d, "n_routed_experts", 0, minimum=0),
+            n_shared_experts=optional_int(d, "n_shared_experts", 0, minimum=0),
+            num_experts_per_tok=optional_int(d, "num_experts_per_tok", 0, minimum=0),
+            first_k_dense_replace=optional_int(d, "first_k_dense_replace", 0, minimum=0),
+            moe_layer_freq=optional_int(d, "moe_layer_freq", 1),
+            routed_scaling_factor=positive_number(d, "routed_scaling_factor", 1.0),
             topk_method=d.get("topk_method") or default_topk,
             scoring_func=d.get("scoring_func") or default_scoring,
-            n_group=_optional_int(d, "n_group", 1),
-            topk_group=_optional_int(d, "topk_group", 1),
-            norm_topk_prob=_flag(d, "norm_topk_prob", False),
-            rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
+            n_group=optional_int(d, "n_group", 1),
+            topk_group=optional_int(d, "topk_group", 1),
+            norm_topk_prob=flag(d, "norm_topk_prob", False),
+            rms_norm_eps=positive_number(d, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             # DeepSeek's V2 code has no such switch: its checkpoints are always interleaved.
-            rope_interleave=_flag(d, "rope_interleave", True),
-            max_position_embeddings=_optional_int(d, "max_position_embeddings", 4096),
-            tie_word_embeddings=_flag(d, "tie_word_embeddings", False),
-            bos_token_id=_optional_int(d, "bos_token_id", None, minimum=0),
+            rope_interleave=flag(d, "rope_interleave", True),
+            max_position_embeddings=optional_int(d, "max_position_embeddings", 4096),
+            tie_word_embeddings=flag(d, "tie_word_embeddings", False),
+            bos_token_id=optional_int(d, "bos_token_id", None, minimum=0),
             eos_token_id=_eos_token_id(d),
             architectures=tuple(architectures),
             weight_block_size=weight_block_size(d),
+            mlp_layer_types=_mlp_layer_types(d),
+            indexer=IndexerConfig.from_dict(d) if model_type in DSA_MODEL_TYPES else None,
         )
         config._validate_moe()
         return config
@@ -176,6 +196,8 @@ class DeepseekConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has routed experts (else a dense MLP)."""
+        if self.mlp_layer_types is not None:
+            return self.n_routed_experts > 0 and self.mlp_layer_types[layer] == "sparse"
         return (
             self.n_routed_experts > 0
             and layer >= self.first_k_dense_replace
@@ -207,7 +229,7 @@ def _rope_settings(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if not isinstance(params, Mapping):
         raise ValueError(f"{key!r} must be an object or null, got {params!r}")
     params = dict(params)
-    theta = _positive_number(params, "rope_theta", None) or _positive_number(
+    theta = positive_number(params, "rope_theta", None) or positive_number(
         d, "rope_theta", 10000.0
     )
     params.pop("rope_theta", None)
@@ -251,46 +273,21 @@ def weight_block_size(d: Mapping[str, Any]) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-def _required_int(d: Mapping[str, Any], key: str, minimum: int = 1) -> int:
-    if d.get(key) is None:
-        raise ValueError(f"missing required key {key!r}")
-    return _checked_int(key, d[key], minimum)
-
-
-def _optional_int(
-    d: Mapping[str, Any], key: str, default: int | None, minimum: int = 1
-) -> int | None:
-    value = d.get(key)
-    return default if value is None else _checked_int(key, value, minimum)
-
-
-def _checked_int(key: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _positive_number(d: Mapping[str, Any], key: str, default: float | None) -> float | None:
-    value = d.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{key!r} must be a finite positive number, got {value!r}")
-    return float(value)
-
-
-def _flag(d: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = d.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"{key!r} must be true or false, got {value!r}")
-    return value
+def _mlp_layer_types(d: Mapping[str, Any]) -> tuple[str, ...] | None:
+    types = d.get("mlp_layer_types")
+    if types is None:
+        return None
+    layers = required_int(d, "num_hidden_layers")
+    if not isinstance(types, list) or len(types) < layers or any(
+            t not in _MLP_LAYER_TYPES for t in types):
+        raise ValueError(f"'mlp_layer_types' must give one of {_MLP_LAYER_TYPES} for each "
+                         f"of the {layers} layers, got {types!r}")
+    return tuple(types[:layers])
 
 
 def _eos_token_id(d: Mapping[str, Any]) -> int | list[int] | None:
     """One id, a list of ids (any of which ends a sequence) or null."""
     value = d.get("eos_token_id")
     if isinstance(value, list):
-        return [_checked_int("eos_token_id", v, 0) for v in value]
-    return _optional_int(d, "eos_token_id", None, minimum=0)
+        return [checked_int("eos_token_id", v, 0) for v in value]
+    return optional_int(d, "eos_token_id", None, minimum=0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedmla.ops import reference
+from pagedmla.ops import reference, reference_sparse
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Backend:
     varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge_attn_states: Callable[..., None]
     merge_partials: Callable[..., torch.Tensor]
+    sparse_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # The model's other per-token ops, fused where the backend can.
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -46,6 +47,7 @@ REFERENCE = Backend(
     varlen_attention=reference.varlen_attention,
     merge_attn_states=reference.merge_attn_states,
     merge_partials=reference.merge_partials,
+    sparse_attention=reference_sparse.sparse_mla_attention,
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,

@@ -13,6 +13,7 @@ under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tes
 from __future__ import annotations
 
 from pagedmla.ops import Backend
+from pagedmla.ops.reference_sparse import sparse_mla_attention
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
@@ -31,6 +32,8 @@ TRITON_BACKEND = Backend(
     varlen_attention=prefill_attention,
     merge_attn_states=merge_attn_states,
     merge_partials=merge_partials,
+    # No Triton kernel yet: the PyTorch reference, on the GPU's tensors.
+    sparse_attention=sparse_mla_attention,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     rotary=rotary,
