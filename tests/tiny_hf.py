@@ -18,8 +18,17 @@ COMMON = dict(
 )
 
 
+# The sparse-attention models: an indexer of 8 heads (ReLU scores then rarely tie) whose
+# top-k is smaller than the test prompts, so that the selection matters.
+SPARSE = {"v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+          "glm": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
+SPARSE_COMMON = dict(q_lora_rank=24, index_n_heads=8, index_head_dim=16, index_topk=12,
+                     n_group=2, topk_group=1, norm_topk_prob=True)
+
+
 def make_hf_model(version: str, seed: int = 0, **overrides):
-    """An eager float32 transformers DeepseekV2/V3ForCausalLM with spread random weights."""
+    """An eager float32 transformers DeepseekV2/V3/V32 or GlmMoeDsa ForCausalLM with
+    spread random weights (LayerNorm biases too)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -29,8 +38,11 @@ def make_hf_model(version: str, seed: int = 0, **overrides):
     elif version == "v2":
         config = transformers.DeepseekV2Config(**{**COMMON, **overrides})
         model_class = transformers.DeepseekV2ForCausalLM
+    elif version in SPARSE:
+        config_class, model_class = (getattr(transformers, name) for name in SPARSE[version])
+        config = config_class(**{**COMMON, **SPARSE_COMMON, **overrides})
     else:
-        raise ValueError(f"version must be 'v2' or 'v3', got {version!r}")
+        raise ValueError(f"version must be 'v2', 'v3' or one of {list(SPARSE)}, got {version!r}")
     config._attn_implementation = "eager"
     model = model_class(config).eval()
     with torch.no_grad():

@@ -22,7 +22,14 @@ from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.cuda_graph import DecodeGraphs, capture_sizes
 from pagedmla.engine.decode_rows import decode_row_sizes
-from pagedmla.engine.memory import MemoryReport, cache_block_bytes, check_fits, workspace_bytes
+from pagedmla.engine.memory import (
+    MemoryReport,
+    attach_index_keys,
+    cache_block_bytes,
+    check_fits,
+    index_key_block_bytes,
+    workspace_bytes,
+)
 from pagedmla.engine.model_runner import DriverRunner, ModelRunner
 from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
@@ -31,7 +38,7 @@ from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.metadata import MLAMetadataBuilder
-from pagedmla.models.loader import load_planned, plan_model
+from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
 from pagedmla.validation import integer
@@ -108,6 +115,12 @@ class LLM:
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.parallel = None
+        if args.decode_context_parallel_size > 1 and load_config(args.model).indexer:
+            raise ValueError(
+                "decode_context_parallel_size > 1 is not supported for sparse-attention "
+                "models (DeepSeek-V3.2, GLM-5): their indexer keys are not spread over "
+                "the ranks; use tensor_parallel_size alone"
+            )
         if args.tensor_parallel_size > 1:
             from pagedmla.distributed.runtime import ParallelRuntime
 
@@ -136,9 +149,11 @@ class LLM:
             )
         self.max_model_len = args.max_model_len or positions
         block_size = args.block_size
+        index = self.config.indexer
         sizes = dict(workspace_rows=args.workspace_rows, max_model_len=self.max_model_len,
                      max_num_seqs=args.max_num_seqs,
-                     router=PathCostModel() if args.route_by_cost else None)
+                     router=PathCostModel() if args.route_by_cost else None,
+                     index_topk=None if index is None else index.topk)
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
             if self.parallel is None
@@ -146,8 +161,12 @@ class LLM:
         )
         cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, dims.kv_lora_rank,
                                           dims.qk_rope_head_dim)
-        block_bytes = cache_block_bytes(dims, block_size, cache_dtype,
-                                        self.config.num_hidden_layers)
+        # A sparse model's indexer keys are fp8 where the latents are (fp8, fp8_ds_mla).
+        index_fp8 = args.kv_cache_dtype != "auto"
+        block_bytes = (
+            cache_block_bytes(dims, block_size, cache_dtype, self.config.num_hidden_layers)
+            + index_key_block_bytes(self.config, block_size, dtype, index_fp8)
+        )
         workspace = workspace_bytes(dims, self.builder.workspace_rows, dtype)
         if device.type == "cuda":
             blocks = args.num_kv_blocks or 2  # the fewest _auto_num_blocks accepts
@@ -166,6 +185,7 @@ class LLM:
                           kv_cache_dtype=args.kv_cache_dtype, dtype=dtype, device=device)
             for _ in range(self.config.num_hidden_layers)
         ]
+        attach_index_keys(self.caches, self.config, dtype, index_fp8)
         # Under decode context parallelism a block id stands for block_size rows on each
         # rank of the group: the scheduler sees the group's combined capacity.
         self.block_manager = BlockManager(
@@ -223,9 +243,11 @@ class LLM:
         sizes in the same order, with the collectives inside the graphs (all-reduces,
         the logits' all-gather, DCP's query all-gather and partials' all-to-all), stages
         its own slots and cache lengths, and replays the size the driver's step picks.
+        Sparse-attention models run eagerly.
         """
         return (
             not enforce_eager
+            and self.config.indexer is None  # the indexer's top-k is not graph safe yet
             and self.device.type == "cuda"
             and get_backend(backend, self.device).graph_safe
         )

@@ -9,6 +9,8 @@ import torch
 
 from pagedmla.cache import LatentKVCache
 from pagedmla.dims import MLADims
+from pagedmla.models.config import DeepseekConfig
+from pagedmla.ops.reference_indexer import SCALE_BYTES, allocate_indexer_cache
 
 GIB = 2**30
 
@@ -67,6 +69,31 @@ def cache_block_bytes(
     per_token = LatentKVCache.bytes_per_token(dims.kv_lora_rank, dims.qk_rope_head_dim,
                                               cache_dtype)
     return per_token * block_size * num_layers
+
+
+def index_key_block_bytes(
+    config: DeepseekConfig, block_size: int, dtype: torch.dtype, fp8: bool
+) -> int:
+    """The bytes of one block of a sparse-attention model's indexer key caches, over the
+    layers that have an indexer (0 for dense MLA): D values of `dtype` per token, or D
+    fp8 codes and a float32 scale."""
+    index = config.indexer
+    if index is None:
+        return 0
+    per_token = index.head_dim + SCALE_BYTES if fp8 else index.head_dim * dtype.itemsize
+    layers = sum(index.has_indexer(i) for i in range(config.num_hidden_layers))
+    return per_token * block_size * layers
+
+
+def attach_index_keys(
+    caches: list[LatentKVCache], config: DeepseekConfig, dtype: torch.dtype, fp8: bool
+) -> None:
+    """Give each layer with an indexer its key cache, paged like the layer's latents."""
+    index = config.indexer
+    for layer, cache in enumerate(caches):
+        if index is not None and index.has_indexer(layer):
+            cache.index_keys = allocate_indexer_cache(
+                cache.num_blocks, cache.block_size, index.head_dim, dtype, fp8, cache.device)
 
 
 def check_fits(

@@ -1,7 +1,9 @@
-"""The DeepSeek-V2/V3 decoder on top of MLAAttention, loading Hugging Face weight names.
+"""The DeepSeek-V2/V3 decoder on top of MLAAttention, loading Hugging Face weight names;
+with a lightning indexer per layer, the sparse-attention DeepSeek-V3.2 and GLM-5.
 
 Tokens arrive flat ([T], all requests of a step, decodes first) with their positions
-and the step's MLAMetadata; each layer keeps its latents in its own LatentKVCache.
+and the step's MLAMetadata; each layer keeps its latents in its own LatentKVCache (and a
+sparse model's indexer keys beside them, `LatentKVCache.index_keys`).
 Module names mirror the Hugging Face checkpoints without the leading "model.", except
 that routed experts are stacked into `mlp.w13` / `mlp.w2`.
 """
@@ -18,6 +20,7 @@ from pagedmla.attention import MLAAttention
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
+from pagedmla.models.indexer import Indexer
 from pagedmla.models.linear import Linear
 from pagedmla.models.moe import DenseMLP, MoE
 from pagedmla.models.rope import RotaryEmbedding
@@ -63,6 +66,9 @@ class DeepseekAttention(nn.Module):
     q comes from q_proj, or from q_a_proj -> q_a_layernorm -> q_b_proj (q LoRA);
     kv_a_proj_with_mqa gives the latent [L] (normalised by kv_a_layernorm) and k_pe [R].
     kv_b_proj is held for loading; MLAAttention uses it after process_weights_after_loading.
+    A sparse-attention model's layer `layer` has an `indexer` (models/indexer.py) unless
+    it reuses an earlier layer's top-k (GLM-5's shared layers): `forward` then runs it
+    and attends to each token's top-k positions only.
     With a block-fp8 checkpoint every projection but kv_b_proj keeps its fp8 weight:
     kv_b_proj is only ever used through its absorbed halves W_UK and W_UV, which the
     attention kernels take in the model dtype, so it is dequantized as it is loaded
@@ -70,7 +76,8 @@ class DeepseekAttention(nn.Module):
     """
 
     def __init__(
-        self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device, backend: str
+        self, config: DeepseekConfig, dtype: torch.dtype, device: torch.device, backend: str,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         c, d = config, config.dims
@@ -96,18 +103,47 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = Linear.empty(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
         self.o_proj = linear(N * d.v_head_dim, H)
         self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
+        self.indexer = None
+        if c.indexer is not None and c.indexer.has_indexer(layer):
+            self.indexer = Indexer(c.indexer, dtype, device, block, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: MLAMetadata,
+        indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, H] (normed) -> (attention output [T, N * V], the top-k positions
+        [T, topk] it attended to, None where attention was dense). A layer without an
+        indexer attends with the `indices` given (an earlier layer's)."""
+        q_latent, (q, kv_c, k_pe) = self._project(hidden, cos, sin)
+        if self.indexer is not None:
+            indices = self.indexer(hidden, q_latent, cos, sin, cache.index_keys,
+                                   meta.slot_mapping, meta.sparse)
+        return self.attn(q, kv_c, k_pe, cache, meta, indices=indices), indices
 
     def project(
         self, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> MLAAttention's inputs: q [T, N, P + R] (rope applied),
         the normalised latent kv_c [T, L] and k_pe [T, R] (rope applied)."""
+        return self._project(hidden, cos, sin)[1]
+
+    def _project(
+        self, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(the q latent [T, q_lora_rank] or None without q LoRA, `project`'s result)."""
         d = self.dims
         T, L = hidden.shape[0], d.kv_lora_rank
+        q_latent = None
         if d.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_latent)
         q = q.view(T, d.num_heads, d.qk_head_dim)
         latent = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(latent[:, :L])
@@ -115,7 +151,7 @@ class DeepseekAttention(nn.Module):
             k_pe = latent[:, L:].contiguous()
         else:  # q's rope dims in place (q is this layer's own projection)
             k_pe = self.attn.ops(q.device).rotary(q, latent[:, L:], cos, sin, self.interleaved)
-        return q, kv_c, k_pe
+        return q_latent, (q, kv_c, k_pe)
 
 
 class DecoderLayer(nn.Module):
@@ -128,7 +164,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps, dtype, device, backend)
-        self.self_attn = DeepseekAttention(config, dtype, device, backend)
+        self.self_attn = DeepseekAttention(config, dtype, device, backend, layer)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype, device, backend)
         if config.is_moe_layer(layer):
             self.mlp: nn.Module = MoE(config, dtype, device, backend)
@@ -144,12 +180,22 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor | None,
         cache: LatentKVCache,
         meta: MLAMetadata,
+        indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(hidden, residual) -> (mlp output, residual stream before it, the top-k
+        positions attention used: `DeepseekAttention.forward`); the stream is hidden +
+        residual, or hidden alone for the first layer (residual None). Each residual add
+        is fused with the norm after it."""
+        hidden, residual = self._input_norm(hidden, residual)
+        out, indices = self.self_attn(hidden, cos, sin, cache, meta, indices)
+        return (*self.after_attention(out, residual), indices)
+
+    def _input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) -> (mlp output, residual stream before it); the stream is
-        hidden + residual, or hidden alone for the first layer (residual None). Each
-        residual add is fused with the norm after it."""
-        q, kv_c, k_pe, residual = self.before_attention(hidden, residual, cos, sin)
-        return self.after_attention(self.self_attn.attn(q, kv_c, k_pe, cache, meta), residual)
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm.fused_add(hidden, residual)
 
     def before_attention(
         self,
@@ -159,11 +205,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer up to attention: (q, kv_c, k_pe) as `DeepseekAttention.project`
-        gives them, and the residual stream."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.fused_add(hidden, residual)
+        gives them, and the residual stream (dense attention only: the CUDA-graph
+        pieces run attention apart)."""
+        hidden, residual = self._input_norm(hidden, residual)
         return (*self.self_attn.project(hidden, cos, sin), residual)
 
     def after_attention(
@@ -222,12 +266,25 @@ class DeepseekForCausalLM(nn.Module):
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"caches has {len(caches)} entries, expected {len(self.layers)}")
+        if self.config.indexer is not None:
+            self._check_sparse(caches, meta)
         hidden, cos, sin = self.embed(input_ids, positions)
-        residual = None
+        residual = indices = None
         meta = meta.for_forward()
         for layer, cache in zip(self.layers, caches):
-            hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
+            hidden, residual, indices = layer(hidden, residual, cos, sin, cache, meta, indices)
         return self.final_norm(hidden, residual)
+
+    def _check_sparse(self, caches: list[LatentKVCache], meta: MLAMetadata) -> None:
+        """ValueError unless a sparse-attention model's step has what its indexers need."""
+        topk = self.config.indexer.topk
+        if meta.sparse is None or meta.sparse.topk != topk:
+            raise ValueError(f"a sparse-attention model needs metadata built with "
+                             f"index_topk={topk}, got "
+                             f"{None if meta.sparse is None else meta.sparse.topk}")
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if layer.self_attn.indexer is not None and cache.index_keys is None:
+                raise ValueError(f"caches[{i}] has no index_keys for layer {i}'s indexer")
 
     @property
     def decoder(self) -> DeepseekForCausalLM:

@@ -1,0 +1,187 @@
+"""DeepSeek-V3.2 and GLM-5 (sparse attention) against Hugging Face transformers.
+
+Tiny random `DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM` checkpoints whose
+indexer keeps 12 positions (`index_topk`), fewer than the prompts hold, so the selection
+changes the result (`test_the_selection_matters` shows by how much). The GLM model has
+a shared layer (`indexer_types` full, shared, full): it attends with the top-k of the
+layer before it. Our runs go through paged caches (block 0 reserved, other blocks
+permuted, unused slots NaN); transformers runs each full sequence alone. float32:
+greedy tokens identical, logprobs within 2e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+from pagedmla import LLM, BatchSpec, LatentKVCache, MLAMetadataBuilder, SamplingParams
+from pagedmla.models import DeepseekConfig, DeepseekForCausalLM
+from pagedmla.ops.reference_indexer import allocate_indexer_cache
+from tests.test_engine_parity import _check_against_hf, _prompts
+from tests.tiny_hf import SPARSE_COMMON, hf_logprobs, make_hf_model
+
+BLOCK = 4
+LOGPROB_TOL = 2e-3
+TOPK = SPARSE_COMMON["index_topk"]
+VARIANTS = {"v32": {}, "glm": dict(indexer_types=["full", "shared", "full"])}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    """(variant, transformers model, its save_pretrained directory)."""
+    hf = make_hf_model(request.param, **VARIANTS[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, hf, path
+
+
+def _ours(path) -> DeepseekForCausalLM:
+    config = DeepseekConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model = DeepseekForCausalLM(config)
+    filled = model.load_weights(load_file(path / "model.safetensors").items())
+    assert filled == model.expected_weight_names()
+    model.process_weights_after_loading()
+    return model
+
+
+def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int]) -> torch.Tensor:
+    """log_softmax of our logits [len(tokens), vocab] for one request fed in chunks
+    ending at `cuts`, over a paged cache (permuted blocks, NaN everywhere unwritten)."""
+    config, dims = model.config, model.dims
+    num_blocks = 2 + math.ceil(len(tokens) / BLOCK)
+    order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3)) + 1
+    table = order[:-1].view(1, -1).to(torch.int32)
+    caches = []
+    for layer in model.layers:
+        cache = LatentKVCache(num_blocks, BLOCK, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                              dtype=torch.float32)
+        cache.data.fill_(math.nan)
+        if layer.self_attn.indexer is not None:
+            cache.index_keys = allocate_indexer_cache(
+                num_blocks, BLOCK, config.indexer.head_dim, torch.float32, fp8=False)
+            cache.index_keys.fill_(math.nan)
+        caches.append(cache)
+    builder = MLAMetadataBuilder(dims, block_size=BLOCK, index_topk=config.indexer.topk)
+    logprobs, start = [], 0
+    for end in cuts:
+        positions = torch.arange(start, end)
+        slots = table[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
+        meta = builder.build(BatchSpec([end - start], [end], table, slots))
+        hidden = model(torch.tensor(tokens[start:end]), positions, caches, meta)
+        logprobs.append(model.compute_logits(hidden).double().log_softmax(-1))
+        start = end
+    return torch.cat(logprobs)
+
+
+def test_config_reads_the_indexer(checkpoint) -> None:
+    _, hf, path = checkpoint
+    config = _ours(path).config
+    index = config.indexer
+    assert (index.topk, index.num_heads, index.head_dim) == (TOPK, 8, 16)
+    assert index.rope_interleaved == (hf.config.model_type == "glm_moe_dsa")
+    shared = hf.config.model_type == "glm_moe_dsa"
+    assert [config.indexer.has_indexer(i) for i in range(3)] == [True, not shared, True]
+    assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+def test_chunked_prefill_matches_transformers(checkpoint) -> None:
+    """Prefill in chunks of 1, 16 and 23 tokens (decode, chunk over context, chunk
+    crossing top-k) gives transformers' logprobs at every position."""
+    _, hf, path = checkpoint
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours = _run_chunks(_ours(path), tokens, [1, 17, 40])
+    ref = hf_logprobs(hf, tokens)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().max() < LOGPROB_TOL
+
+
+def test_the_selection_matters(checkpoint) -> None:
+    """With an index_topk covering the whole prompt (dense attention) transformers'
+    logprobs move well beyond the tolerance past the first TOPK positions: the parity
+    tests would catch attention that ignored the selection."""
+    variant, hf, _ = checkpoint
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    dense = make_hf_model(variant, **VARIANTS[variant], index_topk=64)
+    dense.load_state_dict(hf.state_dict())
+    sparse_ref, dense_ref = hf_logprobs(hf, tokens), hf_logprobs(dense, tokens)
+    torch.testing.assert_close(sparse_ref[:TOPK], dense_ref[:TOPK], rtol=1e-6, atol=1e-6)
+    assert (sparse_ref[TOPK:] - dense_ref[TOPK:]).abs().max() > 50 * LOGPROB_TOL
+
+
+def _llm(path, **kwargs) -> LLM:
+    options = dict(dtype=torch.float32, device="cpu", block_size=BLOCK, num_kv_blocks=128)
+    return LLM(model=str(path), **{**options, **kwargs})
+
+
+def test_engine_matches_transformers(checkpoint) -> None:
+    """A batch under a 16-token step budget: chunked prefill, mixed decode and prefill
+    steps, prompts shorter and longer than top-k."""
+    _, hf, path = checkpoint
+    prompts = _prompts(97, [3, 17, 40, 9, 30], seed=5)
+    outputs = _llm(path, max_num_batched_tokens=16).generate(prompts, GREEDY, use_tqdm=False)
+    _check_against_hf(hf, prompts, outputs)
+
+
+def test_prefix_caching_and_preemption(checkpoint) -> None:
+    """Prompts sharing a 24-token prefix over cached blocks (their indexer keys reused
+    with them); then five requests in a cache of 31 usable 4-token blocks, too small for
+    all at once (preemption by recompute)."""
+    _, hf, path = checkpoint
+    prompts = _prompts(97, [5, 11, 7], seed=6, shared_prefix=24)
+    llm = _llm(path, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert llm.stats.prefill_tokens < sum(len(p) for p in prompts[1:])  # the prefix reused
+    _check_against_hf(hf, prompts, first + rest)
+    small = _llm(path, num_kv_blocks=32, enable_prefix_caching=False)
+    prompts = _prompts(97, [3, 17, 40, 9, 30], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats.preemptions > 0
+    _check_against_hf(hf, prompts, outputs)
+
+
+def test_fp8_caches(checkpoint) -> None:
+    """kv_cache_dtype "fp8" stores the latents and the indexer keys in fp8 (D codes and
+    a float32 scale per token) and serves sequences longer than top-k. Not compared
+    with transformers: in a tiny random model fp8 latents alone move a logprob by ~1
+    (dense V3 too), and the rounding flips selections; test_engine_parity checks fp8
+    latents on a model where they do not, test_indexer the fp8 indexer's recall at
+    DeepSeek's widths."""
+    *_, path = checkpoint
+    llm = _llm(path, kv_cache_dtype="fp8")
+    keys = [c.index_keys for c in llm.caches if c.index_keys is not None]
+    assert keys and all(k.dtype == torch.uint8 and k.shape[-1] == 16 + 4 for k in keys)
+    prompts = _prompts(97, [17, 40], seed=7)
+    for out in llm.generate(prompts, GREEDY, use_tqdm=False):
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == GREEDY.max_tokens
+        assert all(math.isfinite(step[t]) for t, step in zip(completion.token_ids,
+                                                              completion.logprobs))
+
+
+def test_decode_context_parallel_is_refused(checkpoint) -> None:
+    *_, path = checkpoint
+    with pytest.raises(ValueError, match="decode_context_parallel_size > 1 is not supported"):
+        _llm(path, tensor_parallel_size=2, decode_context_parallel_size=2)
+
+
+def test_the_model_needs_sparse_metadata(checkpoint) -> None:
+    *_, path = checkpoint
+    model = _ours(path)
+    d = model.dims
+    caches = [LatentKVCache(4, BLOCK, d.kv_lora_rank, d.qk_rope_head_dim, dtype=torch.float32)
+              for _ in model.layers]
+    spec = BatchSpec([2], [2], torch.tensor([[1]], dtype=torch.int32), torch.tensor([4, 5]))
+    inputs = (torch.tensor([1, 2]), torch.arange(2), caches)
+    with pytest.raises(ValueError, match=f"index_topk={TOPK}, got None"):
+        model(*inputs, MLAMetadataBuilder(d, block_size=BLOCK).build(spec))
+    with pytest.raises(ValueError, match="caches\\[0\\] has no index_keys"):
+        model(*inputs, MLAMetadataBuilder(d, block_size=BLOCK, index_topk=TOPK).build(spec))
