@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from pagedmla import LLM, BatchSpec, LatentKVCache, MLAMetadataBuilder, SamplingParams
 from pagedmla.models import DeepseekConfig, DeepseekForCausalLM
 from pagedmla.ops.reference_indexer import allocate_indexer_cache
+from tests.engine_helpers import assert_same_completions
 from tests.test_engine_parity import _check_against_hf, _prompts
 from tests.tiny_hf import SPARSE_COMMON, hf_logprobs, make_hf_model
 
@@ -185,3 +186,14 @@ def test_the_model_needs_sparse_metadata(checkpoint) -> None:
         model(*inputs, MLAMetadataBuilder(d, block_size=BLOCK).build(spec))
     with pytest.raises(ValueError, match="caches\\[0\\] has no index_keys"):
         model(*inputs, MLAMetadataBuilder(d, block_size=BLOCK, index_topk=TOPK).build(spec))
+
+
+def test_tensor_parallel_matches_one_process(checkpoint) -> None:
+    """Two gloo CPU ranks (the attention heads split, the indexer replicated) give one
+    process's tokens, and logprobs within 1e-4."""
+    *_, path = checkpoint
+    prompts = _prompts(97, [17, 40], seed=9)
+    one = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
+    with _llm(path, tensor_parallel_size=2) as parallel:
+        two = parallel.generate(prompts, GREEDY, use_tqdm=False)
+    assert_same_completions(one, two, tol=1e-4)
