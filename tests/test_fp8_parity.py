@@ -25,8 +25,12 @@ from tests.test_engine_parity import _check_against_hf, _prompts
 from tests.tiny_hf import make_hf_model
 
 FP8 = torch.float8_e4m3fn
-# DeepSeek-V3 ships these in fp8; embeddings, the LM head, norms and routers stay wide.
-_QUANTIZED = re.compile(r"_proj(_with_mqa)?\.weight$")
+# DeepSeek-V3 ships these in fp8 (V3.2 also its indexer's wq_b and wk); embeddings, the
+# LM head, norms, routers and the indexer's weights_proj stay wide.
+_QUANTIZED = re.compile(r"(?<!weights)_proj(_with_mqa)?\.weight$|\.(wq_b|wk)\.weight$")
+MODELS = {"v3": dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                     routed_scaling_factor=2.5),
+          "v32": {}}
 
 
 def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -65,12 +69,12 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) ->
     return q.double() * per_element[: q.shape[0], : q.shape[1]].double()
 
 
-@pytest.fixture(scope="module", params=[(128, 128), (16, 32)], ids=["128x128", "16x32"])
+@pytest.fixture(scope="module", params=[("v3", (128, 128)), ("v3", (16, 32)), ("v32", (16, 32))],
+                ids=["128x128", "16x32", "v32-16x32"])
 def fp8_checkpoint(request, tmp_path_factory):
     """(transformers model on the dequantized weights, fp8 checkpoint directory)."""
-    block = request.param
-    hf = make_hf_model("v3", q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
-                       routed_scaling_factor=2.5)
+    version, block = request.param
+    hf = make_hf_model(version, **MODELS[version])
     directory: Path = tmp_path_factory.mktemp("fp8")
     hf.save_pretrained(directory)
     for file in directory.glob("*.safetensors*"):
@@ -112,6 +116,10 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(fp8_chec
     fp8 = {k for k, v in state.items() if v.dtype == FP8}
     assert "layers.1.mlp.w13" in fp8 and "layers.0.mlp.down_proj.weight" in fp8
     assert "layers.2.self_attn.q_a_proj.weight" in fp8
+    if llm.config.indexer is not None:
+        assert {"layers.1.self_attn.indexer.wq_b.weight",
+                "layers.1.self_attn.indexer.wk.weight"} <= fp8
+        assert "layers.1.self_attn.indexer.weights_proj.weight" not in fp8
     assert all(f"{k}_scale_inv" in state for k in fp8)
     assert not any("kv_b_proj" in k or "embed" in k or "lm_head" in k for k in fp8)
     prompts = _prompts(97, [3, 17, 40, 9], seed=5)
