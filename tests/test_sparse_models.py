@@ -197,3 +197,40 @@ def test_tensor_parallel_matches_one_process(checkpoint) -> None:
     with _llm(path, tensor_parallel_size=2) as parallel:
         two = parallel.generate(prompts, GREEDY, use_tqdm=False)
     assert_same_completions(one, two, tol=1e-4)
+
+
+# The released models' config.json fields the model reads (GLM-5: its 78 layers with a
+# full indexer on layers 0-2 and every fourth after; DeepSeek-V3.2: block-fp8).
+_V3_SHAPE = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                 num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+                 qk_nope_head_dim=128, v_head_dim=128, n_group=8, topk_group=4,
+                 index_n_heads=64)
+_GLM5_SHAPE = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+                   num_hidden_layers=78, num_attention_heads=64, q_lora_rank=2048,
+                   qk_nope_head_dim=192, v_head_dim=256, n_group=1, topk_group=1,
+                   index_n_heads=32, index_topk_freq=4, index_skip_topk_offset=3,
+                   rope_parameters={"rope_theta": 8000000, "rope_type": "default"})
+_RELEASED = {
+    "deepseek_v32": (_V3_SHAPE, 671e9, 61),
+    "glm_moe_dsa": (_GLM5_SHAPE, 744e9, 21),
+}
+
+
+@pytest.mark.parametrize("model_type", list(_RELEASED))
+def test_released_configs_build_the_released_models(model_type: str) -> None:
+    """DeepSeek-V3.2 and GLM-5 at their real size, built on the meta device: the
+    published parameter counts (without the MTP layer) within 1%, and GLM-5's indexer on
+    21 of its 78 layers."""
+    shape, params, full_layers = _RELEASED[model_type]
+    config = DeepseekConfig.from_dict({
+        "model_type": model_type, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+        "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "index_topk": 2048, "index_head_dim": 128, **shape})
+    model = DeepseekForCausalLM(config, dtype=torch.bfloat16, device="meta")
+    count = sum(t.numel() for t in model.state_dict().values())
+    assert abs(count / params - 1) < 0.01, f"{count / 1e9:.1f}B parameters"
+    layers = range(config.num_hidden_layers)
+    assert sum(config.indexer.has_indexer(i) for i in layers) == full_layers
+    assert [i for i in layers if model.layers[i].self_attn.indexer is not None][:5] == (
+        [0, 1, 2, 3, 4] if full_layers == 61 else [0, 1, 2, 6, 10])
