@@ -1,4 +1,5 @@
-"""The memory plan of DeepSeek-V3/R1 (61 layers) on one node of 8 GPUs, tensor parallel 8.
+"""The memory plan of DeepSeek-V3/R1 (61 layers) on one node of 8 GPUs, tensor parallel 8,
+and of the sparse-attention DeepSeek-V3.2 and GLM-5.
 
 For DeepSeek-V3's config (61 layers, the first 3 dense; 256 routed experts of 2048 and
 one shared; vocabulary 129280; hidden 7168; 128 heads; q_lora 1536, L 512, R 64, P 128,
@@ -17,6 +18,12 @@ V 128), with block-fp8 (128 x 128) and with bf16 weights, on 8 x H200 and 8 x H1
 * tokens the node holds: without decode context parallelism every TP rank holds every
   token's latent (node = one GPU's); with DCP 8 each token's latent lives on one rank
   of the group (node = 8 x one GPU's).
+
+* DeepSeek-V3.2 (V3's shapes and a 64-head indexer on every layer) and GLM-5 (78 layers,
+  64 heads, P 192, V 256, a 32-head indexer on 21 layers) as they are served: block-fp8
+  weights, the fp8_ds_mla cache (656 B per token and layer) and fp8 indexer keys (D 128
+  codes and a float32 scale per token on each layer with an indexer), no decode context
+  parallelism (they refuse it).
 
 Nothing is allocated and no GPU is needed: the plan is computed, not measured. With
 `--measured`, a `bench_v3_layers` result (one GPU, TP 1, N MoE layers and 1), the same
@@ -48,7 +55,12 @@ from pagedmla.cache import resolve_cache_dtype
 from pagedmla.distributed.state import ParallelState
 from pagedmla.distributed.tensor_parallel import shard_for
 from pagedmla.engine.args import EngineArgs
-from pagedmla.engine.memory import GIB, cache_block_bytes, workspace_bytes
+from pagedmla.engine.memory import (
+    GIB,
+    cache_block_bytes,
+    index_key_block_bytes,
+    workspace_bytes,
+)
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM
 from pagedmla.planner import determine_workspace_rows
@@ -80,6 +92,25 @@ def deepseek_v3(fp8: bool, layers: int = LAYERS, dense: int = DENSE_LAYERS) -> d
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION)
     return config
+
+
+def sparse_model(name: str) -> dict:
+    """The config.json fields of DeepSeek-V3.2 or GLM-5 (block-fp8)."""
+    config = deepseek_v3(fp8=True)
+    config.update(model_type="deepseek_v32", index_n_heads=64, index_head_dim=128,
+                  index_topk=2048)
+    if name == "GLM-5":
+        config.update(
+            model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+            intermediate_size=12288, num_hidden_layers=78, num_attention_heads=64,
+            num_key_value_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256,
+            n_group=1, topk_group=1, index_n_heads=32, index_topk_freq=4,
+            index_skip_topk_offset=3, max_position_embeddings=202752, rope_scaling=None,
+            rope_parameters={"rope_theta": 8000000, "rope_type": "default"})
+    return config
+
+
+SPARSE_MODELS = ("DeepSeek-V3.2", "GLM-5")
 
 
 def rank_weight_bytes(config: dict, tp_rank: int = 0, tp_size: int = 1) -> int:
@@ -160,6 +191,35 @@ def plan(tp_size: int = TENSOR_PARALLEL) -> dict[str, Any]:
     }
 
 
+def sparse_plan(tp_size: int = TENSOR_PARALLEL) -> list[dict[str, Any]]:
+    """Weights and KV capacity per GPU of the sparse-attention models as served (block-fp8
+    weights, fp8_ds_mla latents, fp8 indexer keys) on each card at `tp_size`."""
+    utilization = engine_default("gpu_memory_utilization")
+    block_size = engine_default("block_size")
+    rows = []
+    for name in SPARSE_MODELS:
+        config_dict = sparse_model(name)
+        config = DeepseekConfig.from_dict(config_dict)
+        dims = replace(config.dims, num_heads=config.num_attention_heads // tp_size)
+        workspace = workspace_bytes(
+            dims, determine_workspace_rows(config.max_position_embeddings,
+                                           engine_default("max_num_seqs"), block_size),
+            MODEL_DTYPE)
+        latent = cache_block_bytes(dims, block_size, resolve_cache_dtype("fp8_ds_mla",
+                                   MODEL_DTYPE), config.num_hidden_layers)
+        index = index_key_block_bytes(config, block_size, MODEL_DTYPE, fp8=True)
+        weights = max(rank_weight_bytes(config_dict, r, tp_size) for r in range(tp_size))
+        for card, card_bytes in CARDS.items():
+            kv = kv_capacity(card_bytes, utilization, weights, workspace, latent + index,
+                             block_size)
+            rows.append({"model": name, "card": card, "weights": "fp8",
+                         "weight_gib": weights / GIB, "layers": config.num_hidden_layers,
+                         "latent_bytes_per_token": latent // block_size,
+                         "index_bytes_per_token": index // block_size,
+                         "workspace_gib": workspace / GIB, "cache": kv})
+    return rows
+
+
 def check_measured(path: Path) -> dict[str, Any]:
     """The same count for `path`'s models (bench_v3_layers: TP 1, N MoE layers and 1)
     against the GiB measured; SystemExit on a mismatch. Returns the measured figures."""
@@ -207,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.date.today().isoformat(),
         "commit": _commit(), "command": " ".join(["python -m benchmarks.memory_plan", *argv]),
         **plan(),
+        "sparse": sparse_plan(),
         "measured": None if args.measured is None else check_measured(args.measured),
     }
     with open(args.out, "w") as f:
@@ -218,6 +279,12 @@ def main(argv: list[str] | None = None) -> None:
                            for c, kv in row["cache"].items())
         print(f"{row['card']}, {row['weights']} weights: {row['weight_gib']:.2f} GiB per GPU; "
               f"{caches}")
+    for row in result["sparse"]:
+        kv = row["cache"]
+        room = (f"{kv['tokens']:,} tokens" if kv["fits"]
+                else f"does not fit, {kv['missing_gib']:.2f} GiB missing")
+        print(f"{row['model']} on {row['card']}: {row['weight_gib']:.2f} GiB per GPU; "
+              f"fp8_ds_mla cache and fp8 indexer keys {room}")
 
 
 if __name__ == "__main__":

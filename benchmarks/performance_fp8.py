@@ -176,6 +176,27 @@ def memory_plan_table(plan: dict) -> list[str]:
     return table(header, rows, left=2)
 
 
+def sparse_memory_lines(plan: dict) -> list[str]:
+    """The sparse-attention models' rows of the plan (absent in older plans: none)."""
+    rows = plan.get("sparse")
+    if not rows:
+        return []
+    lines = []
+    for r in rows:
+        kv = r["cache"]
+        room = (f"{kv['tokens']:,}" if kv["fits"]
+                else f"does not fit: {num(kv['missing_gib'], 2)} GiB missing")
+        lines.append([r["model"], r["card"], num(r["weight_gib"], 2),
+                      f"{r['latent_bytes_per_token']:,} + {r['index_bytes_per_token']:,}",
+                      room])
+    header = ["model", "node", "fp8 weights GiB per GPU",
+              "bytes per token (latents + indexer keys)", "tokens per GPU (= node)"]
+    return ["The sparse-attention models as served: block-fp8 weights, the fp8_ds_mla "
+            "cache and fp8 indexer keys, tensor parallel 8 without decode context "
+            "parallelism (they refuse it), so the node holds what one GPU holds.", "",
+            *table(header, lines, left=2)]
+
+
 def memory_plan_inputs(plan: dict) -> str:
     per_token = ", ".join(f"{cache} {n:,} B" for cache, n in plan["kv_bytes_per_token"].items())
     ranks = {fmt: f"{min(g):.3f}-{max(g):.3f}" if min(g) != max(g) else f"{g[0]:.3f}"

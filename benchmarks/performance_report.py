@@ -237,7 +237,8 @@ def fp8_sections(res: Results) -> list[str]:
         plan = res.load(MEMORY_PLAN)
         out += ["## DeepSeek-V3/R1 on one node: the memory plan", res.source(MEMORY_PLAN), "",
                 text.MEMORY_PLAN, "", *fp8.memory_plan_table(plan), "",
-                fp8.memory_plan_inputs(plan), "", *fp8.measured_lines(plan)]
+                fp8.memory_plan_inputs(plan), "", *fp8.measured_lines(plan), "",
+                *fp8.sparse_memory_lines(plan)]
     return out
 
 

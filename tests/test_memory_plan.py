@@ -129,3 +129,21 @@ def test_measured_weights_must_match_the_count(tmp_path: Path) -> None:
     path.write_text(json.dumps({"gpu": "NVIDIA H200", "args": {"layers": 2}, "runs": runs}))
     with pytest.raises(SystemExit, match="bf16 one_layer"):
         memory_plan.check_measured(path)
+
+
+def test_sparse_models_count_latents_and_indexer_keys() -> None:
+    """DeepSeek-V3.2 and GLM-5 as served: a token's fp8_ds_mla entry (656 B) on every
+    layer plus its fp8 indexer key (128 codes and a 4-byte scale) on each layer with an
+    indexer (V3.2: all 61; GLM-5: 21 of 78), and the tokens that fit in whole blocks."""
+    rows = {(r["model"], r["card"]): r for r in memory_plan.sparse_plan()}
+    per_token = {"DeepSeek-V3.2": (61 * 656, 61 * 132), "GLM-5": (78 * 656, 21 * 132)}
+    for (model, card), row in rows.items():
+        assert (row["latent_bytes_per_token"], row["index_bytes_per_token"]) == per_token[model]
+        held = (row["weight_gib"] + row["workspace_gib"]) * GIB
+        budget = 0.9 * memory_plan.CARDS[card] - held
+        blocks = math.floor(budget / (sum(per_token[model]) * 64))
+        assert row["cache"]["fits"] == (blocks >= 2)
+        if blocks >= 2:
+            assert row["cache"]["tokens"] == blocks * 64
+    glm, v32 = rows["GLM-5", "8 x H200"], rows["DeepSeek-V3.2", "8 x H200"]
+    assert glm["weight_gib"] > v32["weight_gib"]
