@@ -152,8 +152,9 @@ class LLM:
         index = self.config.indexer
         sizes = dict(workspace_rows=args.workspace_rows, max_model_len=self.max_model_len,
                      max_num_seqs=args.max_num_seqs,
-                     router=PathCostModel() if args.route_by_cost else None,
-                     index_topk=None if index is None else index.topk)
+                     router=PathCostModel() if args.route_by_cost else None)
+        if index is not None:  # (decode context parallel builders never see one)
+            sizes["index_topk"] = index.topk
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
             if self.parallel is None
