@@ -196,14 +196,15 @@ def workloads(todo: list[tuple[int, int, int, str]]):
 
 
 def candidate_configs(heads: int, base: DecodeConfig) -> list[DecodeConfig]:
-    """Launch parameters to sweep: heads per program up to the heads' power of two,
-    tiles of 32 or 64 positions, 4 or 8 warps, 1 or 2 stages, both product forms (the
-    transposed one with at most 32 heads per program)."""
-    most = max(16, triton.next_power_of_2(heads))
+    """Launch parameters to sweep: 16 heads per program for N <= 16, else 32 or 64
+    (fewer would read each row again for every 16 heads), tiles of 32 or 64 positions,
+    4 or 8 warps, 1 or 2 stages, both product forms (the transposed one with at most 32
+    heads per program): 16 candidates at N = 16, 24 at N = 128."""
+    choices = (16,) if heads <= 16 else (32, 64)
     out = []
     for block_h, block_n, warps, stages, swap in itertools.product(
-            (16, 32, 64), (32, 64), (4, 8), (1, 2), (False, True)):
-        if block_h <= most and not (swap and block_h > 32):
+            choices, (32, 64), (4, 8), (1, 2), (False, True)):
+        if not (swap and block_h > 32):
             out.append(replace(base, block_h=block_h, block_n=block_n, num_warps=warps,
                                num_stages=stages, swap_ab=swap))
     return out
