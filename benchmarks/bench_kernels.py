@@ -314,6 +314,28 @@ def kernel_sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def report_header() -> dict:
+    """What a benchmark report records of its run: date, GPU, versions, command, commit
+    and the kernels' sources digest."""
+    report: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join(sys.argv),
+    }
+    try:
+        report["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True,
+                                          check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        report["commit"] = "unknown"
+    # The git metadata of a copied tree can lag its files: the kernels' own content
+    # identifies what was measured (compare with `kernel_sources_digest()` of a commit).
+    report["kernel_sources_sha256"] = kernel_sources_digest()
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write results as JSON here")
@@ -335,22 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.manual_seed(0)
     start = time.time()
-    report: dict = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__,
-        "command": " ".join(sys.argv),
-    }
-    try:
-        report["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                          capture_output=True, text=True,
-                                          check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        report["commit"] = "unknown"
-    # The git metadata of a copied tree can lag its files: the kernels' own content
-    # identifies what was measured (compare with `kernel_sources_digest()` of a commit).
-    report["kernel_sources_sha256"] = kernel_sources_digest()
+    report = report_header()
     if args.sweep_configs:
         report["sweep"] = []
         if args.sweep_configs in ("decode", "all"):

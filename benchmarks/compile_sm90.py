@@ -7,7 +7,8 @@ does not build for Hopper, or one whose warp partitions spill registers (loads o
 spilled values inside a tile loop slow a kernel down). This builds every path
 `decode.mla_decode` can take on an H100/H200 (the 16-row bf16 and fp8 kernels, one split
 per program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the
-Triton kernel; the plan and the combine) and both prefill kernels, from CPU tensors,
+Triton kernel; the plan and the combine), both prefill kernels and the sparse kernel
+(`sparse_decode`, 16 and 128 heads, bf16 and fp8_ds_mla caches), from CPU tensors,
 with a stand-in for the CUDA driver that reports an sm_90a target and turns every
 launch into a compile-only warm-up; the device's facts are faked through
 `selection.device_platform`. Run it with the Triton the GPU machine has: other versions
@@ -113,6 +114,26 @@ def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
                       starts, 1, context, L, (L + R) ** -0.5)
 
 
+def compile_sparse(tokens: int, heads: int, ds_mla: bool) -> None:
+    """Build `sparse_decode.sparse_attention`'s kernel for `tokens` decode tokens of
+    requests at 4096 positions, top-k 2048, N = heads, DeepSeek widths, a bf16 or
+    fp8_ds_mla cache."""
+    from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE
+    from pagedmla.ops.triton import sparse_decode
+
+    L, R, page, context = 512, 64, 64, 4096
+    blocks = tokens * (context // page)
+    data = (torch.zeros(blocks, page, DS_MLA_BYTES, dtype=DS_MLA_DTYPE) if ds_mla
+            else torch.zeros(blocks, page, L + R, dtype=torch.bfloat16))
+    q = torch.zeros(tokens, heads, L + R, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(tokens, -1)
+    seq_lens = torch.full((tokens,), context, dtype=torch.int32)
+    starts = torch.arange(tokens + 1, dtype=torch.int32)
+    indices = torch.zeros(tokens, 2048, dtype=torch.int32)
+    sparse_decode.sparse_attention(q, data, torch.ones(()), table, seq_lens, starts, indices,
+                                   L, (L + R) ** -0.5)
+
+
 def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: bool = True
                     ) -> None:
     """Build `prefill.varlen_attention`'s kernel for one causal sequence of `tokens`
@@ -148,10 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
-    from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper
+    from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper, sparse_decode
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
     decode.check_device = prefill.check_device = lambda *tensors: None
+    sparse_decode.check_device = lambda *tensors: None
     decode.multiprocessor_count = lambda device: 132
     prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
     decode_triton.INTERPRETED = False
@@ -171,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     builds = [(label, compile_decode, args) for label, *args in cases]
     builds += [("prefill 192 / 128", compile_prefill, (4096, 16, 192, 128, True)),
                ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False))]
+    builds += [(f"sparse {'fp8_ds_mla' if ds else 'bf16'}, {heads} heads", compile_sparse,
+                (64, heads, ds)) for heads in (16, 128) for ds in (True, False)]
     for label, build, args in builds:
         done = len(COMPILED)
         try:

@@ -62,6 +62,46 @@ def test_decode_baseline_attends_as_the_reference(block_size: int) -> None:
         torch_decode(*args[:7], 4 * block_size - 1, *args[8:])
 
 
+@runnable
+@pytest.mark.parametrize("cache", ["fp8_ds_mla", "bf16"])
+def test_sparse_bench_gathers_the_selected_rows(cache: str, monkeypatch) -> None:
+    # benchmarks/bench_sparse.py, at a small context: its indices are distinct positions
+    # each query sees, its slots those positions' through the block table, its plain
+    # gather (`gather_read`) reads exactly those rows (word sums), and its fp8_ds_mla
+    # cache holds the bf16 rows as entries.
+    from benchmarks import bench_sparse as bs
+    from pagedmla.testing import ds_mla_entries
+
+    monkeypatch.setattr(bs, "DEV", DEVICE)
+    monkeypatch.setattr(bs, "CONTEXT", 300)
+    monkeypatch.setattr(bs, "TOPK", 40)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q_len, blocks = 2, 3 * 300 // bs.PAGE + 4
+    indices = bs.topk_indices(3, q_len, gen)
+    assert indices.shape == (6, 40) and indices.dtype == torch.int32
+    limit = torch.tensor([298, 299] * 3, device=DEVICE).view(-1, 1)
+    assert ((indices >= 0) & (indices <= limit)).all()
+    assert all(len(set(row.tolist())) == 40 for row in indices)
+
+    table = torch.randperm(blocks, device=DEVICE)[:15].int().view(3, 5)
+    slots = bs.selected_slots(indices, table, q_len)
+    request = torch.arange(6, device=DEVICE).repeat_interleave(40) // q_len
+    flat_pos = indices.reshape(-1).long()
+    want = table[request, flat_pos // bs.PAGE].long() * bs.PAGE + flat_pos % bs.PAGE
+    assert torch.equal(slots, want)
+
+    data = torch.randn(blocks, bs.PAGE, 576, device=DEVICE).to(torch.bfloat16)
+    if cache == "fp8_ds_mla":
+        rows = data.view(-1, 576).cpu()
+        data = bs.ds_mla_cache(data)
+        assert torch.equal(data.view(-1, 656).cpu(), ds_mla_entries(rows[:, :512], rows[:, 512:]))
+    words = data.view(torch.int32).view(-1, data.shape[-1] * data.element_size() // 4)
+    sums = bs.gather_read(data, slots)()
+    gathered = words[slots].long().sum(dim=1)
+    want_sums = gathered.view(-1, 16).sum(dim=1)
+    assert torch.equal(sums.long() & 0xFFFFFFFF, want_sums & 0xFFFFFFFF)
+
+
 @pytest.mark.cuda
 @cuda
 def test_bench_covered_keeps_host_work_off_the_clock() -> None:

@@ -18,16 +18,18 @@ from pagedmla.ops import reference, reference_sparse
 
 @dataclass(frozen=True)
 class Backend:
-    """The ops one MLA model step needs (signatures as in `pagedmla.ops.reference`)."""
+    """The ops one MLA model step needs (signatures as in `pagedmla.ops.reference`, and
+    sparse_attention's as `reference_sparse.sparse_mla_attention`'s)."""
 
     name: str
     write_cache: Callable[..., None]
     gather_cache: Callable[..., None]
     mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     varlen_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # Absorbed MQA of each query over the cache positions its indexer selected.
+    sparse_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     merge_attn_states: Callable[..., None]
     merge_partials: Callable[..., torch.Tensor]
-    sparse_attention: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # The model's other per-token ops, fused where the backend can.
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -45,9 +47,9 @@ REFERENCE = Backend(
     gather_cache=reference.gather_cache,
     mla_decode=reference.mla_decode,
     varlen_attention=reference.varlen_attention,
+    sparse_attention=reference_sparse.sparse_mla_attention,
     merge_attn_states=reference.merge_attn_states,
     merge_partials=reference.merge_partials,
-    sparse_attention=reference_sparse.sparse_mla_attention,
     rms_norm=reference.rms_norm,
     add_rms_norm=reference.add_rms_norm,
     rotary=reference.rotary,

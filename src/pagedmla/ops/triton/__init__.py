@@ -4,7 +4,7 @@ Which kernel runs a decode or prefill call is decided by one ordered table per o
 (`selection`, mirrored in docs/kernels.md): the Gluon kernels on Hopper GPUs where they
 support the call, the portable Triton kernels elsewhere, and for prefill batches of
 equal-length sequences cuDNN (`prefill_attention`; `varlen_attention` is our kernels
-alone).
+alone). Sparse attention has one kernel, `sparse_decode`, for any call.
 
 Importing this needs the `triton` package but no GPU: on CPU tensors the kernels run
 under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tests).
@@ -13,7 +13,6 @@ under Triton's interpreter when TRITON_INTERPRET=1 is set before the import (tes
 from __future__ import annotations
 
 from pagedmla.ops import Backend
-from pagedmla.ops.reference_sparse import sparse_mla_attention
 from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
@@ -23,6 +22,7 @@ from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
 from pagedmla.ops.triton.prefill import prefill_attention, varlen_attention
 from pagedmla.ops.triton.rope import rotary
+from pagedmla.ops.triton.sparse_decode import sparse_attention
 
 TRITON_BACKEND = Backend(
     name="triton",
@@ -30,10 +30,9 @@ TRITON_BACKEND = Backend(
     gather_cache=gather_cache,
     mla_decode=mla_decode,
     varlen_attention=prefill_attention,
+    sparse_attention=sparse_attention,
     merge_attn_states=merge_attn_states,
     merge_partials=merge_partials,
-    # No Triton kernel yet: the PyTorch reference, on the GPU's tensors.
-    sparse_attention=sparse_mla_attention,
     rms_norm=rms_norm,
     add_rms_norm=add_rms_norm,
     rotary=rotary,
@@ -54,6 +53,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rotary",
+    "sparse_attention",
     "varlen_attention",
     "write_cache",
 ]

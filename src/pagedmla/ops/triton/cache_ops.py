@@ -5,7 +5,8 @@ every access is a contiguous row segment. Rows are addressed through slots (writ
 block tables (gather), computed per row, so any page size works. An fp8_ds_mla cache
 (uint8 [num_blocks, page, 656], `pagedmla.cache`) has its own kernels: the write
 computes each 128-value group's power-of-two scale in registers, and `ds_mla_latent` /
-`ds_mla_rope` read entries back (the gather and the portable decode kernel use them).
+`ds_mla_rope` read entries back (the gather and the portable decode and sparse kernels
+use them).
 """
 
 from __future__ import annotations
@@ -298,12 +299,16 @@ def _write_ds_mla_kernel(
 @triton.jit
 def ds_mla_latent(data_ptr, scales_ptr, row, ok, START: tl.constexpr, WIDTH: tl.constexpr):
     """Latent values [START, START + WIDTH) of the fp8_ds_mla entries at byte offsets
-    row [M] (int64) as float32 [M, WIDTH] (codes x their group's scale; WIDTH a power of
-    two); rows where ok [M] is False come out 0 and are not read."""
-    cols = START + tl.arange(0, WIDTH)
-    codes = tl.load(data_ptr + row[:, None] + cols[None, :], mask=ok[:, None], other=0)
-    scale = tl.load(scales_ptr + (row // 4 + _SCALES_AT4)[:, None] + cols[None, :] // _GROUP,
-                    mask=ok[:, None], other=0.0)
+    row [M] (int64) as float32 [M, WIDTH] (codes x their group's scale; START and WIDTH
+    whole groups, WIDTH a power of two); rows where ok [M] is False come out 0 and are
+    not read. One scale load per row and group, spread over its columns in registers."""
+    cols = tl.arange(0, WIDTH)
+    codes = tl.load(data_ptr + row[:, None] + START + cols[None, :], mask=ok[:, None], other=0)
+    at = row // 4 + _SCALES_AT4 + START // _GROUP
+    scale = tl.load(scales_ptr + at, mask=ok, other=0.0)[:, None]
+    for g in tl.static_range(1, WIDTH // _GROUP):
+        group = tl.load(scales_ptr + at + g, mask=ok, other=0.0)
+        scale = tl.where(cols[None, :] >= g * _GROUP, group[:, None], scale)
     return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
 
 

@@ -154,31 +154,53 @@ def _to_compute(x, compute_dtype: tl.constexpr):
 
 
 @triton.jit
+def load_rows(
+    rows, ok, compute_dtype: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+    HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Cache rows of L + R values at the pointers rows [M]: the latent halves [M, HALF_L]
+    x 2 and the rope part [M, BLOCK_R], widened to compute_dtype. Rows where ok [M] is
+    False come out zero and are not read: their slots may hold NaN."""
+    cols = tl.arange(0, HALF_L)
+    kv_a = tl.load(rows[:, None] + cols[None, :], mask=ok[:, None] & (cols[None, :] < L),
+                   other=0.0)
+    kv_b = tl.load(rows[:, None] + HALF_L + cols[None, :],
+                   mask=ok[:, None] & (cols[None, :] + HALF_L < L), other=0.0)
+    k_pe = kv_a  # placeholder when R == 0
+    if R > 0:
+        cols_r = tl.arange(0, BLOCK_R)
+        k_pe = tl.load(rows[:, None] + L + cols_r[None, :],
+                       mask=ok[:, None] & (cols_r[None, :] < R), other=0.0)
+    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+
+
+@triton.jit
+def load_ds_mla_rows(
+    data_ptr, scales_ptr, rope_ptr, row, ok, compute_dtype: tl.constexpr,
+    HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """load_rows for the fp8_ds_mla entries at byte offsets row [M] (L = 512, R = 64):
+    the latent halves dequantized (codes x their group's scale) and the bfloat16 rope
+    part, rows where ok is False zero and not read, in compute_dtype."""
+    kv_a = ds_mla_latent(data_ptr, scales_ptr, row, ok, 0, HALF_L)
+    kv_b = ds_mla_latent(data_ptr, scales_ptr, row, ok, HALF_L, HALF_L)
+    k_pe = ds_mla_rope(rope_ptr, row, ok, BLOCK_R)
+    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+
+
+@triton.jit
 def _gather_tile(
     data_ptr, table_row, start, hi, stride_db, stride_dp, compute_dtype: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Cache rows of positions [start, start + BLOCK_N) below hi, found through the block
-    table one position at a time (any page size): the latent halves [BLOCK_N, HALF_L]
-    x 2 and the rope part [BLOCK_N, BLOCK_R], masked rows zero, widened to compute_dtype.
-    """
+    table one position at a time (any page size), as `load_rows` returns them."""
     pos = start + tl.arange(0, BLOCK_N)
     pos_ok = pos < hi
     block = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
     rows = data_ptr + block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
-    cols = tl.arange(0, HALF_L)
-    # Masked rows are never read: slots past seq_len may hold NaN.
-    kv_a = tl.load(rows[:, None] + cols[None, :], mask=pos_ok[:, None] & (cols[None, :] < L),
-                   other=0.0)
-    kv_b = tl.load(rows[:, None] + HALF_L + cols[None, :],
-                   mask=pos_ok[:, None] & (cols[None, :] + HALF_L < L), other=0.0)
-    k_pe = kv_a  # placeholder when R == 0
-    if R > 0:
-        cols_r = tl.arange(0, BLOCK_R)
-        k_pe = tl.load(rows[:, None] + L + cols_r[None, :],
-                       mask=pos_ok[:, None] & (cols_r[None, :] < R), other=0.0)
-    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+    return load_rows(rows, pos_ok, compute_dtype, L, R, HALF_L, BLOCK_R)
 
 
 @triton.jit
@@ -187,17 +209,14 @@ def _gather_ds_mla_tile(
     compute_dtype: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """_gather_tile for fp8_ds_mla entries (L = 512, R = 64; strides in bytes): the
-    latent halves dequantized (codes x their group's scale), the bfloat16 rope part,
-    masked rows zero, in compute_dtype."""
+    """_gather_tile for fp8_ds_mla entries (strides in bytes), as `load_ds_mla_rows`
+    returns them."""
     pos = start + tl.arange(0, BLOCK_N)
     pos_ok = pos < hi
     block = tl.load(table_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
     row = block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
-    kv_a = ds_mla_latent(data_ptr, scales_ptr, row, pos_ok, 0, HALF_L)
-    kv_b = ds_mla_latent(data_ptr, scales_ptr, row, pos_ok, HALF_L, HALF_L)
-    k_pe = ds_mla_rope(rope_ptr, row, pos_ok, BLOCK_R)
-    return kv_a.to(compute_dtype), kv_b.to(compute_dtype), k_pe.to(compute_dtype)
+    return load_ds_mla_rows(data_ptr, scales_ptr, rope_ptr, row, pos_ok, compute_dtype,
+                            HALF_L, BLOCK_R)
 
 
 @triton.jit
