@@ -3,6 +3,10 @@ cache, page 64, top-k 2048) against the issue's targets.
 
     python -m benchmarks.bench_indexer --out indexer.json
     python -m benchmarks.bench_indexer --cases decode --topk 2048
+    python -m benchmarks.bench_indexer --sweep --cases prefill_4k --out sweep.json
+
+`--sweep` times the logits kernel's launch configs (`candidate_configs`) per case
+instead: the search behind `ops.triton.indexer.pick_config`.
 
 Cases: decode of B = 64 requests of one token over 64k positions each, and fresh
 prompts of 4k and 16k tokens. Each is timed in parts and whole (`ops/triton/indexer.py`):
@@ -26,10 +30,16 @@ and, for decode, the key bytes it must read against the card's HBM read rate.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.harness import DEV, bench, bench_covered, ceilings, graphed
 from pagedmla.ops.reference_indexer import (
@@ -41,6 +51,7 @@ from pagedmla.ops.reference_indexer import (
     read_indexer_keys,
 )
 from pagedmla.ops.triton.indexer import (
+    LogitsConfig,
     _launch,
     _prepared,
     _row_chunk,
@@ -93,16 +104,16 @@ def inputs(case: Case, heads: int, dim: int, page: int, seed: int = 0) -> tuple:
     return q, weights, data, table, seq_lens, qsl
 
 
-def check(args: tuple, logits: torch.Tensor) -> float:
-    """Relative error of the first token's logits against torch (float32, the keys
-    dequantized), over the positions it sees."""
+def check(args: tuple, logits: torch.Tensor, token: int) -> float:
+    """Relative error of the logits of `token` (of the first request; logits' first row)
+    against torch (float32, the keys dequantized), over the positions it sees."""
     q, weights, data, table, seq_lens, qsl = args
-    seen = int(seq_lens[0]) - int(qsl[1]) + 1
+    seen = int(seq_lens[0]) - int(qsl[1]) + token + 1
     page = data.shape[1]
     pos = torch.arange(seen, device=DEV)
     keys = read_indexer_keys(data, table[0, pos // page].long() * page + pos % page)
-    queries = prepare_queries(q[:1], True)[0]
-    want = ((queries @ keys.T).relu() * weights[0].unsqueeze(1)).sum(0)
+    queries = prepare_queries(q[token:token + 1], True)[0]
+    want = ((queries @ keys.T).relu() * weights[token].unsqueeze(1)).sum(0)
     return float((logits[0, :seen] - want).norm() / want.norm())
 
 
@@ -112,32 +123,44 @@ def visible_counts(case: Case) -> torch.Tensor:
                                                                       case.q_lens)])
 
 
+def last_chunk(case: Case, args_ns: argparse.Namespace
+               ) -> tuple[tuple, int, Callable[[LogitsConfig], torch.Tensor]]:
+    """The case's inputs, the first row r0 of its last chunk of query rows (the widest
+    causal triangle of a prompt's chunks; decode: its one chunk) and a launch of the
+    logits kernel over that chunk with a given config (queries prepared once)."""
+    args = inputs(case, args_ns.heads, args_ns.dim, args_ns.page)
+    q, weights, data, table, seq_lens, qsl = args
+    T, P = q.shape[0], table.shape[1] * data.shape[1]
+    r0 = T - min(T, _row_chunk(P, args_ns.budget))
+    prepared = _prepared(q[r0:], weights[r0:], data)
+    logits = torch.empty(T - r0, P, device=DEV)
+
+    def launch(config: LogitsConfig) -> torch.Tensor:
+        _launch(*prepared, data, table, seq_lens, qsl, logits, r0, config)
+        return logits
+    return args, r0, launch
+
+
 def measure(name: str, args_ns: argparse.Namespace, ceil: dict[str, float]) -> dict:
     """One case's parts and total, with rates and the verdict."""
     case = CASES[name]
     heads, dim, topk = args_ns.heads, args_ns.dim, args_ns.topk
-    args = inputs(case, heads, dim, args_ns.page)
-    q, weights, data, table, seq_lens, qsl = args
+    args, r0, launch = last_chunk(case, args_ns)
+    q, weights, data, table = args[:4]
     T, P = q.shape[0], table.shape[1] * data.shape[1]
     decode = len(case.seq_lens) == T
     config = pick_config(T, len(case.seq_lens), heads)
-    rows = min(T, _row_chunk(P, args_ns.budget))
-    r0 = T - rows  # the last chunk: the widest causal triangle of a prompt
-    prepared = _prepared(q[r0:], weights[r0:], data)
-    logits = torch.empty(rows, P, device=DEV)
-
-    def run_logits() -> None:
-        _launch(*prepared, data, table, seq_lens, qsl, logits, r0, config)
-
-    run_logits()
-    rel = check(args, logits) if r0 == 0 else None
+    logits = launch(config)
+    rel = check(args, logits, r0)
+    if rel > 1e-3:
+        raise SystemExit(f"{name}: relative error {rel:.2e} of the logits against torch")
     picks = min(topk, P)
     row = {"case": name, "tokens": T, "requests": len(case.seq_lens), "positions": P,
-           "chunk_rows": rows, "config": asdict(config), "rel_err": rel,
+           "chunk_rows": T - r0, "config": asdict(config), "rel_err": rel,
            "target_ms": case.target_ms}
-    row["prepare_ms"] = bench(lambda: _prepared(q[r0:], weights[r0:], data)) / 1e3
-    row["logits_ms"] = bench(run_logits) / 1e3
-    row["topk_ms"] = bench(lambda: logits.topk(picks, dim=1, sorted=False)) / 1e3
+    row["prepare_ms"] = bench_covered(lambda: _prepared(q[r0:], weights[r0:], data)) / 1e3
+    row["logits_ms"] = bench_covered(lambda: launch(config)) / 1e3
+    row["topk_ms"] = bench_covered(lambda: logits.topk(picks, dim=1, sorted=False)) / 1e3
 
     def whole() -> torch.Tensor:
         return indexer_topk(*args, max(case.seq_lens), topk, budget=args_ns.budget)
@@ -156,6 +179,42 @@ def measure(name: str, args_ns: argparse.Namespace, ceil: dict[str, float]) -> d
     return row
 
 
+def candidate_configs(decode: bool, heads: int) -> list[LogitsConfig]:
+    """The sweep's launch configs: around `pick_config`'s (tokens per program, tile
+    width, warps, stages, both product formulations)."""
+    base = pick_config(64 if decode else 4096, 64 if decode else 1, heads)
+    block_ms = [base.block_m] if decode else sorted({1, base.block_m, 2 * base.block_m})
+    return [LogitsConfig(m, n, base.max_tiles, warps, stages, swap)
+            for m, n, warps, stages, swap in itertools.product(
+                block_ms, (64, 128), (4, 8), (2, 3), (True, False))]
+
+
+def sweep(args_ns: argparse.Namespace) -> None:
+    """Time the logits kernel alone (the chunk `measure` times) with each candidate
+    config per case; print the default's time and the best; write every timing."""
+    rows = []
+    for name in args_ns.cases:
+        case = CASES[name]
+        decode = sum(case.q_lens) == len(case.q_lens)
+        launch = last_chunk(case, args_ns)[2]
+        timed = {}
+        for config in candidate_configs(decode, args_ns.heads):
+            try:
+                timed[config] = bench_covered(functools.partial(launch, config), rep_ms=30) / 1e3
+            except (OutOfResources, CompilationError):
+                continue  # does not fit in shared memory, or does not build
+            rows.append({"case": name, "config": asdict(config), "logits_ms": timed[config]})
+        default = pick_config(sum(case.q_lens), len(case.q_lens), args_ns.heads)
+        best = min(timed, key=timed.__getitem__)
+        print(f"{name}: default {default} {timed.get(default, math.nan):.4f} ms; best "
+              f"{best} {timed[best]:.4f} ms", flush=True)
+        del launch
+        torch.cuda.empty_cache()
+    with open(args_ns.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "args": vars(args_ns), "sweep": rows},
+                  f, indent=1)
+
+
 def verdict(row: dict) -> str:
     """The case's target met ("pass") or not ("miss"), judged on total_ms."""
     return "pass" if row["total_ms"] <= CASES[row["case"]].target_ms else "miss"
@@ -167,10 +226,11 @@ def table(rows: list[dict]) -> str:
              "| target ms | key read % HBM | logits TFLOP/s | verdict |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        read = f"{100 * r['key_read_fraction']:.0f}" if "key_read_fraction" in r else "-"
         lines.append(
             f"| {r['case']} | {r['tokens']} | {r['chunk_rows']} | {r['prepare_ms']:.3f} "
             f"| {r['logits_ms']:.3f} | {r['topk_ms']:.3f} | {r['total_ms']:.3f} "
-            f"| {r['target_ms']} | {100 * r.get('key_read_fraction', float('nan')):.0f} "
+            f"| {r['target_ms']} | {read} "
             f"| {r['logits_tflops']:.0f} | {r['verdict']} |")
     return "\n".join(lines)
 
@@ -185,11 +245,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=LOGITS_BUDGET,
                         help="float32 logits per chunk of query rows")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the logits kernel's launch configs instead")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    if args.sweep:
+        sweep(args)
+        return
     ceil = ceilings()
     rows = []
     for name in args.cases:

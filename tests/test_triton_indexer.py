@@ -27,6 +27,7 @@ row's largest score.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,8 +46,10 @@ from pagedmla.ops.triton.indexer import (
 )
 from tests.triton_helpers import DEVICE, FP8, cuda, runnable
 
-# Several tiles per program and several spans per token at tiny sizes.
+# Several tiles per program and several spans per token at tiny sizes, in both
+# formulations of the product (keys x queries, and queries x keys).
 TINY = LogitsConfig(block_m=2, block_n=16, max_tiles=2, num_warps=4, num_stages=1)
+TINY_DIRECT = replace(TINY, swap_ab=False)
 # decode 1 and 2 tokens, a prefill chunk over cached context, a fresh prompt, and empty
 # CUDA-graph padding rows (q_len 0, seq_len 0) between and after them.
 SEQ_LENS = [37, 70, 0, 90, 20, 0]
@@ -177,8 +180,9 @@ def check_topk(got: torch.Tensor, scores: torch.Tensor, topk: int, tol: float) -
 def test_logits_and_topk_match_the_oracle(page: int, fp8: bool) -> None:
     args = make_case(SEQ_LENS, Q_LENS, 4, 16, page, fp8, seed=page, integer_q=fp8)
     want = oracle_logits(*args[:4], SEQ_LENS, Q_LENS)
-    check_logits(indexer_logits(*args, config=TINY), want, 1e-5, 1e-5)
-    if page == 64:  # pick_config's launch: one 128-key tile per program here
+    for config in (TINY, TINY_DIRECT):
+        check_logits(indexer_logits(*args, config=config), want, 1e-5, 1e-5)
+    if page == 64:  # pick_config's launch
         check_logits(indexer_logits(*args), want, 1e-5, 1e-5)
     for topk in (5, 200):  # 200: past the logits' width (P = 91, 112, 192)
         got = indexer_topk(*args, max(SEQ_LENS), topk, config=TINY)
@@ -199,16 +203,18 @@ def test_query_chunks_give_the_same_result() -> None:
 
 @runnable
 def test_many_heads_and_wide_keys() -> None:
-    # Heads past one dot's rows (block_m 1) and a head dim that is not a power of two
-    # (float cache only: the fp8 one needs the Hadamard rotation's power of two).
+    # A head count and a head dim that are not powers of two (20 heads padded to 32,
+    # 24 values to 32; float cache only: the fp8 one needs the Hadamard rotation's
+    # power of two).
     seq_lens, q_lens = [45, 9], [3, 9]
     args = make_case(seq_lens, q_lens, 20, 24, 16, fp8=False, seed=5)
     want = oracle_logits(*args[:4], seq_lens, q_lens)
-    check_logits(indexer_logits(*args, config=TINY), want, 1e-5, 1e-5)
+    for config in (TINY, TINY_DIRECT):
+        check_logits(indexer_logits(*args, config=config), want, 1e-5, 1e-5)
 
 
 def test_decode_and_prefill_configs() -> None:
-    # Decode: the request's tokens share one read of its keys; prefill: 128 dot rows.
+    # Decode: a request's tokens share one read of its keys; prefill: 128 columns.
     assert pick_config(64, 64, 64).block_m == 1
     assert pick_config(128, 64, 64).block_m == 2
     assert pick_config(4096, 1, 64).block_m * 64 == 128
@@ -244,6 +250,11 @@ def test_bench_indexer_workloads_and_verdicts() -> None:
     assert decode.seq_lens == [65536] * 64 and decode.q_lens == [1] * 64
     assert bench.CASES["prefill_16k"].q_lens == bench.CASES["prefill_16k"].seq_lens
     assert bench.verdict({"case": "decode", "total_ms": 0.3}) == "pass"
+    assert bench.parse_args(["--sweep"]).sweep
+    for decode in (True, False):
+        configs = bench.candidate_configs(decode, 64)
+        assert len(set(configs)) == len(configs)
+        assert pick_config(64 if decode else 4096, 64 if decode else 1, 64) in configs
     assert bench.verdict({"case": "prefill_16k", "total_ms": 7.0}) == "miss"
 
 

@@ -64,25 +64,27 @@ _MAX_TILES = 8
 class LogitsConfig:
     """Launch parameters of the logits kernel: block_m query tokens (of one request) per
     program, block_n key positions per tile, at most max_tiles tiles per program (fewer
-    where the grid would not fill the GPU `_WAVES` times over)."""
+    where the grid would not fill the GPU `_WAVES` times over); swap_ab: the scores'
+    product as keys x queries (`_head_sums`)."""
 
     block_m: int
     block_n: int
     max_tiles: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = True
 
 
 def pick_config(num_tokens: int, num_reqs: int, num_heads: int) -> LogitsConfig:
-    """Decode (at most two tokens per request on average: each request's tokens share one
-    read of its keys) or prefill (block_m x heads = 128 dot rows)."""
+    """Decode (at most two tokens per request on average: a request's tokens share one
+    read of its keys) or prefill (block_m x heads = 128 product columns, 64-key tiles,
+    which keep the kernel near 110 registers a thread on sm_90)."""
     block_h = max(16, next_pow2(num_heads))
-    rows_per_head_group = max(1, 128 // block_h)
+    tokens_per_128 = max(1, 128 // block_h)
     per_req = cdiv(num_tokens, max(num_reqs, 1))
     if per_req <= 2:
-        block_m = min(next_pow2(per_req), rows_per_head_group)
-        return LogitsConfig(block_m, 128, _MAX_TILES, 4 if block_m * block_h <= 64 else 8, 3)
-    return LogitsConfig(rows_per_head_group, 128, _MAX_TILES, 8, 3)
+        return LogitsConfig(min(next_pow2(per_req), tokens_per_128), 128, _MAX_TILES, 8, 3)
+    return LogitsConfig(tokens_per_128, 64, _MAX_TILES, 8, 3)
 
 
 @triton.jit
@@ -108,13 +110,34 @@ def _token_block(qsl_ptr, num_reqs, row_start, row_end, block,
 
 
 @triton.jit
+def _head_sums(q, k, w, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: sum_h w[m, h] relu(q[m, h] . k[n]) for q [BLOCK_M x BLOCK_H,
+    D] (token-major rows), k [BLOCK_N, D], w [BLOCK_M x BLOCK_H]. SWAP_AB: the product
+    as k q^T, keys on the MMA's rows, so that the head sum runs along each thread's
+    columns (and a quad's shuffles) rather than across warps."""
+    if SWAP_AB:
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+        if BLOCK_M == 1:
+            return tl.sum(s, 1)[None, :]
+        return tl.trans(tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, BLOCK_H)), 2))
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
+    if BLOCK_M == 1:
+        return tl.sum(s, 0)[None, :]
+    return tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_N)), 1)
+
+
+@triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     num_reqs, row_start, row_end, num_positions, span, num_heads,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kp, stride_sb, stride_bt, stride_ot,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, REQS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr,
+    REQS: tl.constexpr,
 ):
     """Logits of one token block (program_id(0), `_token_block`) over the key span
     program_id(1): rows t - row_start of out [rows, num_positions] (row stride
@@ -162,17 +185,9 @@ def _logits_kernel(
         else:
             k = tl.load(keys, mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
         # -- weighted ReLU scores, summed over heads --
-        if FP8:
-            if not FP8_DOT:
-                k = k.to(tl.float16)
-            s = tl.dot(q, tl.trans(k))
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
-        if BLOCK_M == 1:
-            logits = tl.sum(s, 0)[None, :]
-        else:
-            logits = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_N)), 1)
+        if FP8 and not FP8_DOT:
+            k = k.to(tl.float16)
+        logits = _head_sums(q, k, w, PRECISION, BLOCK_M, BLOCK_H, BLOCK_N, SWAP_AB)
         if FP8:
             logits = logits * tl.load(scales_ptr + page * stride_sb + offset, mask=pos_ok,
                                       other=0.0)[None, :]
@@ -249,7 +264,7 @@ def _launch(q: torch.Tensor, weights: torch.Tensor, data: torch.Tensor,
         HEAD_DIM=head_dim, PAGE=data.shape[1], FP8=fp8, FP8_DOT=fp8 and fp8_dot_runs(q.device),
         PRECISION=dot_precision(q.dtype), BLOCK_M=block_m,
         BLOCK_H=max(16, next_pow2(num_heads)), BLOCK_D=block_d, BLOCK_N=block_n,
-        REQS=max(2, next_pow2(num_reqs)), num_warps=config.num_warps,
+        SWAP_AB=config.swap_ab, REQS=max(2, next_pow2(num_reqs)), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
