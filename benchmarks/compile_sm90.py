@@ -7,8 +7,9 @@ does not build for Hopper, or one whose warp partitions spill registers (loads o
 spilled values inside a tile loop slow a kernel down). This builds every path
 `decode.mla_decode` can take on an H100/H200 (the 16-row bf16 and fp8 kernels, one split
 per program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the
-Triton kernel; the plan and the combine), both prefill kernels and the sparse kernel
-(`sparse_decode`, 16 and 128 heads, bf16 and fp8_ds_mla caches), from CPU tensors,
+Triton kernel; the plan and the combine), both prefill kernels, the sparse kernel
+(`sparse_decode`, 16 and 128 heads, bf16 and fp8_ds_mla caches) and the lightning
+indexer's logits kernel (decode and prefill), from CPU tensors,
 with a stand-in for the CUDA driver that reports an sm_90a target and turns every
 launch into a compile-only warm-up; the device's facts are faked through
 `selection.device_platform`. Run it with the Triton the GPU machine has: other versions
@@ -147,6 +148,23 @@ def compile_prefill(tokens: int, heads: int, qk_dim: int, v_dim: int, gluon: boo
     prefill.varlen_attention(q, q.clone(), v, cu, cu, tokens, tokens, qk_dim ** -0.5, True)
 
 
+def compile_indexer(tokens: int, requests: int, context: int, fp8: bool = True) -> None:
+    """Build the lightning indexer's logits kernel (`ops.triton.indexer`) for `requests`
+    requests of tokens / requests query tokens over `context` positions each,
+    DeepSeek-V3.2's 64 heads of 128, page 64."""
+    from pagedmla.ops.reference_indexer import allocate_indexer_cache
+    from pagedmla.ops.triton import indexer
+
+    page, heads, dim = 64, 64, 128
+    pages = context // page
+    data = allocate_indexer_cache(requests * pages, page, dim, torch.bfloat16, fp8)
+    table = torch.arange(requests * pages, dtype=torch.int32).view(requests, pages)
+    seq_lens = torch.full((requests,), context, dtype=torch.int32)
+    starts = torch.arange(0, tokens + 1, tokens // requests, dtype=torch.int32)
+    indexer.indexer_logits(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16),
+                           torch.zeros(tokens, heads), data.zero_(), table, seq_lens, starts)
+
+
 def ptx_hash(name: str, ptx: str) -> str:
     """A hash of the kernel `name`'s PTX without its name, comments, line information
     and debug sections: what a rename or a move of the source leaves unchanged."""
@@ -169,12 +187,19 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(argv)
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
-    from pagedmla.ops.triton import decode, decode_triton, prefill, prefill_hopper, sparse_decode
+    from pagedmla.ops.triton import (
+        decode,
+        decode_triton,
+        indexer,
+        prefill,
+        prefill_hopper,
+        sparse_decode,
+    )
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
-    decode.check_device = prefill.check_device = lambda *tensors: None
+    decode.check_device = prefill.check_device = indexer.check_device = lambda *tensors: None
     sparse_decode.check_device = lambda *tensors: None
-    decode.multiprocessor_count = lambda device: 132
+    decode.multiprocessor_count = indexer.multiprocessor_count = lambda device: 132
     prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
     decode_triton.INTERPRETED = False
     cases = [  # (label, batch, heads, context, fp8, page, gluon)
@@ -192,7 +217,11 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|" + ptx_column[1])
     builds = [(label, compile_decode, args) for label, *args in cases]
     builds += [("prefill 192 / 128", compile_prefill, (4096, 16, 192, 128, True)),
-               ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False))]
+               ("prefill 192 / 128, Triton kernel", compile_prefill, (4096, 16, 192, 128, False)),
+               ("indexer decode, fp8", compile_indexer, (64, 64, 4096)),
+               ("indexer decode 2 tokens, fp8", compile_indexer, (128, 64, 4096)),
+               ("indexer prefill, fp8", compile_indexer, (4096, 1, 4096)),
+               ("indexer prefill, bf16", compile_indexer, (4096, 1, 4096, False))]
     builds += [(f"sparse {'fp8_ds_mla' if ds else 'bf16'}, {heads} heads", compile_sparse,
                 (64, heads, ds)) for heads in (16, 128) for ds in (True, False)]
     for label, build, args in builds:

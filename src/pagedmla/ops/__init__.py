@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedmla.ops import reference, reference_sparse
+from pagedmla.ops import reference, reference_indexer, reference_sparse
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Backend:
     rotary: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
     fp8_linear: Callable[..., torch.Tensor]
+    # The sparse models' lightning indexer: top-k key positions per query token.
+    indexer_topk: Callable[..., torch.Tensor]
     # Decode ops neither synchronise with the host nor allocate by device values, so
     # a decode step can be captured in a CUDA graph.
     graph_safe: bool = False
@@ -55,4 +57,5 @@ REFERENCE = Backend(
     rotary=reference.rotary,
     fused_experts=reference.fused_experts,
     fp8_linear=reference.fp8_linear,
+    indexer_topk=reference_indexer.indexer_topk,
 )

@@ -17,6 +17,7 @@ from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.fp8_gemm import fp8_linear
+from pagedmla.ops.triton.indexer import indexer_topk
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
 from pagedmla.ops.triton.norm import add_rms_norm, rms_norm
@@ -38,6 +39,7 @@ TRITON_BACKEND = Backend(
     rotary=rotary,
     fused_experts=fused_experts,
     fp8_linear=fp8_linear,
+    indexer_topk=indexer_topk,
     graph_safe=True,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "fp8_linear",
     "fused_experts",
     "gather_cache",
+    "indexer_topk",
     "merge_attn_states",
     "merge_partials",
     "mla_decode",
