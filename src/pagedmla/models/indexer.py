@@ -7,7 +7,7 @@ Module and parameter names mirror the Hugging Face checkpoints (`self_attn.index
     k      = k_norm(wk(x))                   [T, D]      k_norm a LayerNorm (weight, bias), eps 1e-6
     q, k  <- rope on their FIRST R dims      (the main attention ropes its LAST R dims)
     w      = weights_proj(x) * H^-0.5 * D^-0.5   [T, H]
-    top-k  = ops/reference_indexer.indexer_topk(q, w, key cache, ...)
+    top-k  = the backend's indexer_topk(q, w, key cache, ...)
 
 x is the layer's normed input. The rope pairing is the model's (`IndexerConfig`); cos
 and sin are the main attention's tables (same positions, frequencies and YaRN
@@ -23,7 +23,8 @@ from pagedmla.metadata import SparseMetadata
 from pagedmla.models.dsa_config import IndexerConfig
 from pagedmla.models.linear import BlockSize, Linear
 from pagedmla.ops.reference import apply_rope
-from pagedmla.ops.reference_indexer import indexer_topk, write_indexer_cache
+from pagedmla.ops.reference_indexer import write_indexer_cache
+from pagedmla.ops.registry import get_backend
 
 
 class Indexer(nn.Module):
@@ -41,6 +42,7 @@ class Indexer(nn.Module):
         super().__init__()
         c = config
         self.config = c
+        self.backend = backend
         self.wq_b = Linear.empty(c.q_lora_rank, c.num_heads * c.head_dim, dtype, device,
                                  block_size, backend)
         self.wk = Linear.empty(c.hidden_size, c.head_dim, dtype, device, block_size, backend)
@@ -76,5 +78,6 @@ class Indexer(nn.Module):
         if cos is not None:
             q = self.rope(q, cos, sin)
         weights = self.weights_proj(hidden).float() * c.weights_scale
-        return indexer_topk(q, weights, keys, sparse.block_table, sparse.seq_lens,
-                            sparse.query_start_loc, sparse.max_seq_len, sparse.topk)
+        ops = get_backend(self.backend, q.device)
+        return ops.indexer_topk(q, weights, keys, sparse.block_table, sparse.seq_lens,
+                                sparse.query_start_loc, sparse.max_seq_len, sparse.topk)
