@@ -234,3 +234,18 @@ def test_released_configs_build_the_released_models(model_type: str) -> None:
     assert sum(config.indexer.has_indexer(i) for i in layers) == full_layers
     assert [i for i in layers if model.layers[i].self_attn.indexer is not None][:5] == (
         [0, 1, 2, 3, 4] if full_layers == 61 else [0, 1, 2, 6, 10])
+
+
+def test_triton_backend_matches_reference(checkpoint) -> None:
+    """The Triton kernels (the indexer's logits kernel, sparse attention; on a CPU in
+    Triton's interpreter) give the reference backend's tokens, and logprobs within
+    1e-4, over prompts longer than top-k with chunked prefill."""
+    pytest.importorskip("triton")
+    *_, path = checkpoint
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prompts = _prompts(97, [17, 30], seed=10)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True)
+    outputs = [_llm(path, backend=backend, device=device, max_num_batched_tokens=16,
+                    enforce_eager=True).generate(prompts, params, use_tqdm=False)
+               for backend in ("reference", "triton")]
+    assert_same_completions(*outputs, tol=1e-4)
