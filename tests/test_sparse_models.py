@@ -126,8 +126,11 @@ def test_engine_matches_transformers(checkpoint) -> None:
     steps, prompts shorter and longer than top-k."""
     _, hf, path = checkpoint
     prompts = _prompts(97, [3, 17, 40, 9, 30], seed=5)
-    outputs = _llm(path, max_num_batched_tokens=16).generate(prompts, GREEDY, use_tqdm=False)
-    _check_against_hf(hf, prompts, outputs)
+    llm = _llm(path, max_num_batched_tokens=16)
+    layers = sum(c.index_keys is not None for c in llm.caches)  # 16 float32 values each
+    assert llm.memory.kv_cache_format.endswith(f"indexer keys {layers * 64} bytes per token, "
+                                               "all layers")
+    _check_against_hf(hf, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_prefix_caching_and_preemption(checkpoint) -> None:

@@ -194,9 +194,13 @@ class LLM:
             args.enable_prefix_caching,
         )
         read = 0 if plan.checkpoint is None else plan.checkpoint.bytes_read
+        cache_format = describe_cache_format(cache_dtype, dims.kv_lora_rank,
+                                             dims.qk_rope_head_dim)
+        if index is not None:
+            keys = index_key_block_bytes(self.config, 1, dtype, index_fp8)
+            cache_format += f"; indexer keys {keys} bytes per token, all layers"
         self._report_memory(plan.weight_bytes, num_kv_blocks * block_bytes, load_seconds, read,
-                            describe_cache_format(cache_dtype, dims.kv_lora_rank,
-                                                  dims.qk_rope_head_dim))
+                            cache_format)
         eos = self.config.eos_token_id
         self.scheduler = Scheduler(
             self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
