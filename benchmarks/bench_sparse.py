@@ -1,8 +1,12 @@
-"""Sparse MLA decode (`ops/triton/sparse_decode.py`) on one GPU: its TFLOP/s, and its rate
-over the gathered rows against plain gathers of the same rows, measured in the same run.
+"""Sparse MLA attention (`ops/triton/sparse_decode.py`) on one GPU: decode's TFLOP/s and
+its rate over the gathered rows against plain gathers of the same rows; prefill's
+TFLOP/s against our dense prefill's, both counted over the attended pairs; each
+measured in the same run as what it is judged against.
 
     python -m benchmarks.bench_sparse --out sparse.json
     python -m benchmarks.bench_sparse --quick --out sparse.json        # B = 64 only
+    python -m benchmarks.bench_sparse --prefill --out sparse_prefill.json
+    python -m benchmarks.bench_sparse --prefill --quick                # S = 4096 only
     python -m benchmarks.bench_sparse --sweep --out sparse_sweep.json  # launch parameters
     python -m benchmarks.bench_sparse --list                           # the shapes (no GPU)
 
@@ -22,6 +26,25 @@ a 256 MB L2 wipe before it). Per row:
   each row once and sums it: the bytes alone, nothing written) and torch.index_select
   into a buffer (reads and writes them); pct_of_gather: the kernel's rate over the
   faster of the two (100 = as fast as a plain gather of its rows).
+
+Prefill (--prefill): one request's chunk of S = 4096 and 16384 new tokens over C
+earlier positions, C = 0 (a fresh prompt) and C = 32768 - S (the request at 32k
+positions); N = 128 and 16, both caches, top-k 2048. Query i (at position C + i) sees
+the C + i + 1 positions up to its own; its indices are the top-k of random scores over
+them, and where it sees fewer than top-k it holds all of them, then -1, as the indexer
+returns them (`prefill_indices`). Per row:
+* pairs: the (query, position) pairs attended, the sum over queries of min(top-k,
+  visible); us, tflops: the kernel, 2 pairs N (L + R + L) FLOPs;
+* dense_us, dense_tflops: the backend's dense prefill op (`prefill_attention`, which
+  the engine's dense prefill runs: cuDNN where it takes the call, else our kernels) on
+  the dense equivalent: MHA of the same S tokens, causal over themselves (C = 0), N
+  heads of QK width P + R = 192 and V = 128, S (S + 1) / 2 pairs at 2 pairs N
+  (192 + 128) FLOPs; dense_kernel_us, dense_kernel_tflops: our kernels alone
+  (`varlen_attention`: the Gluon kernel on Hopper, else the Triton one);
+* ratio = tflops / dense_tflops (the issue's target: >= 0.8, `target_met`), and
+  ratio_vs_kernel = tflops / dense_kernel_tflops.
+Prefill times, sparse and dense alike, are `harness.bench_covered`'s: the L2 wipe before
+each call, the host's launch work off the clock.
 """
 
 from __future__ import annotations
@@ -42,10 +65,11 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from benchmarks.bench_kernels import report_header
-from benchmarks.harness import DEV, SmClock, bench, graphed
-from benchmarks.workloads import L, R, decode_inputs
+from benchmarks.harness import DEV, SmClock, bench, bench_covered, graphed
+from benchmarks.kernel_choice import prefill_runs_gluon
+from benchmarks.workloads import L, R, attention_flops, cu_lens, decode_inputs
 from pagedmla.cache import DS_MLA_BYTES
-from pagedmla.ops.triton import write_cache
+from pagedmla.ops.triton import prefill_attention, varlen_attention, write_cache
 from pagedmla.ops.triton.decode_triton import DecodeConfig
 from pagedmla.ops.triton.sparse_decode import sparse_attention, sparse_config
 
@@ -54,6 +78,10 @@ HEADS = (128, 16)
 BATCHES = (64, 128)
 Q_LENS = (1, 2)
 CACHES = ("fp8_ds_mla", "bf16")
+PREFILL_TOKENS = (4096, 16384)
+DENSE_QK, DENSE_V = 192, 128  # the dense MHA prefill's head widths: P + R, and V
+INDEX_ROWS = 2048  # queries whose random scores `prefill_indices` holds at once
+TARGET_RATIO = 0.8  # the issue's bar: sparse prefill >= 0.8x the dense prefill's TFLOP/s
 
 
 def shapes(quick: bool) -> list[tuple[int, int, int, str]]:
@@ -62,9 +90,24 @@ def shapes(quick: bool) -> list[tuple[int, int, int, str]]:
     return list(itertools.product(batches, Q_LENS, HEADS, CACHES))
 
 
-def flops(tokens: int, heads: int, topk: int) -> int:
-    """QK^T over L + R and P V over L, for every selected row, head and query token."""
-    return 2 * tokens * heads * topk * (L + R + L)
+def prefill_shapes(quick: bool) -> list[tuple[int, int, int, str]]:
+    """(S, C, N, cache) of every prefill row, grouped so that one cache serves each
+    (S, C): C = 0 and C = CONTEXT - S."""
+    tokens = PREFILL_TOKENS[:1] if quick else PREFILL_TOKENS
+    return [(s, c, n, cache) for s in tokens for c in (0, CONTEXT - s)
+            for n, cache in itertools.product(HEADS, CACHES)]
+
+
+def flops(pairs: int, heads: int) -> int:
+    """QK^T over L + R and P V over L, for every attended (query token, selected row)
+    pair and head."""
+    return 2 * pairs * heads * (L + R + L)
+
+
+def prefill_pairs(tokens: int, context: int, topk: int) -> int:
+    """The (query, position) pairs a prefill of `tokens` queries after `context` positions
+    attends: query i sees context + i + 1 positions, of which it attends at most topk."""
+    return sum(min(topk, context + i + 1) for i in range(tokens))
 
 
 # --- the workload -----------------------------------------------------------------------------
@@ -87,6 +130,26 @@ def topk_indices(batch: int, q_len: int, gen: torch.Generator) -> torch.Tensor:
     scores = torch.rand(tokens, CONTEXT, device=DEV, generator=gen)
     scores.masked_fill_(torch.arange(CONTEXT, device=DEV) > position[:, None], -1.0)
     return scores.topk(TOPK, dim=1).indices.int()
+
+
+def prefill_indices(tokens: int, context: int, gen: torch.Generator,
+                    rows: int = INDEX_ROWS) -> torch.Tensor:
+    """[tokens, TOPK] int32: query i of a prefill after `context` positions (at position
+    context + i) holds the top-k of random scores over the positions it sees, in
+    torch.topk's order, and -1 after them where it sees fewer than TOPK (as an indexer
+    returns them). The scores of `rows` queries at a time are held."""
+    seen = context + tokens
+    positions = torch.arange(seen, device=DEV)
+    out = torch.full((tokens, TOPK), -1, dtype=torch.int32, device=DEV)
+    for r0 in range(0, tokens, rows):
+        limit = context + torch.arange(r0, min(tokens, r0 + rows), device=DEV)[:, None]
+        scores = torch.rand(limit.shape[0], seen, device=DEV, generator=gen)
+        # Scores are in [0, 1): the positions a query sees come first, those it does not
+        # (scored -1) fill its row's tail and become -1.
+        scores.masked_fill_(positions > limit, -1.0)
+        top = scores.topk(min(TOPK, seen), dim=1).indices
+        out[r0:r0 + limit.shape[0], :top.shape[1]] = torch.where(top <= limit, top, -1).int()
+    return out
 
 
 def selected_slots(indices: torch.Tensor, table: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -160,7 +223,7 @@ def measure(args: tuple, q_len: int, heads: int, cache: str, gather_us: dict) ->
         del buffer
     plain = gather_us[key]
     fastest = min(plain.values())
-    work = flops(tokens, heads, TOPK)
+    work = flops(tokens * TOPK, heads)
     return {
         "kernel": "sparse_attention", "cache": cache, "B": tokens // q_len, "q_len": q_len,
         "N": heads, "T": tokens, "context": CONTEXT, "topk": TOPK, "page": PAGE,
@@ -175,24 +238,94 @@ def measure(args: tuple, q_len: int, heads: int, cache: str, gather_us: dict) ->
     }
 
 
+def sparse_inputs(batch: int, q_len: int, seq_len: int, indices: torch.Tensor,
+                  group: list[tuple[int, str]], gen: torch.Generator):
+    """(N, cache, the kernel's arguments) for each (N, cache) of `group`: B requests of
+    q_len query tokens at seq_len positions, one cache (and its fp8_ds_mla copy, written
+    from the bf16 one) and `indices` for all."""
+    _, data, _, table, seq_lens, qsl, *_ = decode_inputs(batch, 1, seq_len, q_len,
+                                                         block_size=PAGE)
+    caches = {"bf16": data, "fp8_ds_mla": ds_mla_cache(data)}
+    scale = torch.ones((), device=DEV)
+    for heads, cache in group:
+        q = torch.randn(batch * q_len, heads, L + R, device=DEV, generator=gen,
+                        dtype=torch.bfloat16)
+        yield heads, cache, (q, caches[cache], scale, table, seq_lens, qsl, indices)
+    del caches, data
+    torch.cuda.empty_cache()
+
+
 def workloads(todo: list[tuple[int, int, int, str]]):
     """(B, q_len, N, cache, the kernel's arguments) for every shape of `todo` (as
-    `shapes` orders them), each (B, q_len)'s cache and indices made once and its
-    fp8_ds_mla copy written from the bf16 one."""
+    `shapes` orders them), each (B, q_len)'s cache and indices made once."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     for (batch, q_len), group in itertools.groupby(todo, key=lambda s: s[:2]):
-        _, data, _, table, seq_lens, qsl, *_ = decode_inputs(batch, 16, CONTEXT, q_len,
-                                                             block_size=PAGE)
         indices = topk_indices(batch, q_len, gen)
-        caches = {"bf16": data, "fp8_ds_mla": ds_mla_cache(data)}
-        scale = torch.ones((), device=DEV)
-        for _, _, heads, cache in group:
-            q = torch.randn(batch * q_len, heads, L + R, device=DEV, generator=gen,
-                            dtype=torch.bfloat16)
-            yield batch, q_len, heads, cache, (q, caches[cache], scale, table, seq_lens, qsl,
-                                               indices)
-        del caches, data
-        torch.cuda.empty_cache()
+        for heads, cache, args in sparse_inputs(batch, q_len, CONTEXT, indices,
+                                                [s[2:] for s in group], gen):
+            yield batch, q_len, heads, cache, args
+
+
+def prefill_workloads(todo: list[tuple[int, int, int, str]]):
+    """(S, C, N, cache, the kernel's arguments) for every shape of `todo` (as
+    `prefill_shapes` orders them): one request of S query tokens at C + S positions,
+    each (S, C)'s cache and indices made once."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for (tokens, context), group in itertools.groupby(todo, key=lambda s: s[:2]):
+        indices = prefill_indices(tokens, context, gen)
+        for heads, cache, args in sparse_inputs(1, tokens, context + tokens, indices,
+                                                [s[2:] for s in group], gen):
+            yield tokens, context, heads, cache, args
+
+
+def dense_prefill(tokens: int, heads: int) -> dict:
+    """The dense equivalent of a prefill of `tokens` new tokens: MHA of N = heads over
+    themselves, causal, QK width DENSE_QK and V width DENSE_V (bf16), timed on the
+    backend's op (`prefill_attention`: dense_*) and on our kernels alone
+    (`varlen_attention`: dense_kernel_*), both as bench_kernels times prefill."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(tokens, heads, DENSE_QK, device=DEV, generator=gen, dtype=torch.bfloat16)
+    kv = torch.randn(tokens, heads, DENSE_QK + DENSE_V, device=DEV, generator=gen,
+                     dtype=torch.bfloat16)
+    lens = cu_lens([tokens])
+    args = (q, kv[..., :DENSE_QK], kv[..., DENSE_QK:], lens, lens, tokens, tokens,
+            DENSE_QK**-0.5, True)
+    work = attention_flops([tokens], [tokens], heads, DENSE_QK + DENSE_V, True)
+    row: dict = {"dense_pairs": tokens * (tokens + 1) // 2, "dense_flops": work,
+                 "dense_kernel_stage": "gluon" if prefill_runs_gluon(*args) else "triton"}
+    for name, op in (("dense", prefill_attention), ("dense_kernel", varlen_attention)):
+        us = bench_covered(functools.partial(op, *args), rep_ms=200)
+        row[f"{name}_us"] = us
+        row[f"{name}_tflops"] = work / us / 1e6
+    del q, kv, args
+    torch.cuda.empty_cache()
+    return row
+
+
+def measure_prefill(args: tuple, tokens: int, context: int, heads: int, cache: str,
+                    dense: dict) -> dict:
+    """One prefill row: the kernel at its default launch parameters, against the dense
+    prefill of as many tokens at as many heads (`dense` holds it by (S, N); measured on
+    first use)."""
+    q, data = args[:2]
+    call = functools.partial(sparse_attention, *args, L, (L + R) ** -0.5)
+    with SmClock() as clock:
+        us = bench_covered(call, rep_ms=200)
+    if (tokens, heads) not in dense:
+        dense[tokens, heads] = dense_prefill(tokens, heads)
+    pairs = prefill_pairs(tokens, context, TOPK)
+    work = flops(pairs, heads)
+    tflops = work / us / 1e6
+    base = dense[tokens, heads]
+    ratio = tflops / base["dense_tflops"]
+    return {
+        "kernel": "sparse_attention", "mode": "prefill", "cache": cache, "S": tokens,
+        "C": context, "seq_len": context + tokens, "N": heads, "topk": TOPK, "page": PAGE,
+        "config": asdict(sparse_config(heads, q.dtype, data)),
+        "pairs": pairs, "us": us, "flops": work, "tflops": tflops, **base,
+        "ratio": ratio, "ratio_vs_kernel": tflops / base["dense_kernel_tflops"],
+        "target_met": ratio >= TARGET_RATIO, "sm_mhz": clock.mhz,
+    }
 
 
 def candidate_configs(heads: int, base: DecodeConfig) -> list[DecodeConfig]:
@@ -230,7 +363,7 @@ def sweep(quick: bool, heads_only: list[int] | None, caches_only: list[str] | No
             timed.append((us, config))
             rows.append({"cache": cache, "B": batch, "q_len": q_len, "N": heads,
                          "config": asdict(config), "default": config == default, "us": us,
-                         "tflops": flops(batch * q_len, heads, TOPK) / us / 1e6})
+                         "tflops": flops(batch * q_len * TOPK, heads) / us / 1e6})
         default_us = {c: us for us, c in timed}.get(default, math.nan)
         best_us, best = min(timed, key=lambda item: item[0])
         print(f"{cache} B={batch} N={heads}: default {default_us:.1f} µs; best {best_us:.1f} "
@@ -249,20 +382,44 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def prefill_markdown(rows: list[dict]) -> str:
+    lines = ["| cache | S | C | N | pairs (M) | µs | TFLOP/s | dense µs | dense TFLOP/s | "
+             f"ratio | our kernels' TFLOP/s | ratio to them | >= {TARGET_RATIO} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['cache']} | {r['S']} | {r['C']} | {r['N']} | "
+                     f"{r['pairs'] / 1e6:.1f} | {r['us']:.0f} | {r['tflops']:.0f} | "
+                     f"{r['dense_us']:.0f} | {r['dense_tflops']:.0f} | {r['ratio']:.2f} | "
+                     f"{r['dense_kernel_tflops']:.0f} | {r['ratio_vs_kernel']:.2f} | "
+                     f"{'yes' if r['target_met'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write results as JSON here")
-    parser.add_argument("--quick", action="store_true", help="B = 64 only")
-    parser.add_argument("--sweep", action="store_true",
-                        help="time launch parameters (one query token per request) instead")
+    parser.add_argument("--quick", action="store_true",
+                        help="B = 64 only (decode), S = 4096 only (prefill)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--prefill", action="store_true",
+                      help="time sparse prefill against dense prefill instead")
+    mode.add_argument("--sweep", action="store_true",
+                      help="time launch parameters (one query token per request) instead")
     parser.add_argument("--heads", nargs="+", type=int, choices=HEADS, help="sweep only these N")
     parser.add_argument("--cache", nargs="+", choices=CACHES, help="sweep only these caches")
-    parser.add_argument("--list", action="store_true", help="print the shapes and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="print the decode and prefill shapes and exit")
     args = parser.parse_args(argv)
     if args.list:
         for batch, q_len, heads, cache in shapes(args.quick):
-            print(f"B={batch} q_len={q_len} N={heads} cache={cache} context={CONTEXT} "
-                  f"topk={TOPK} GFLOP={flops(batch * q_len, heads, TOPK) / 1e9:.1f}")
+            print(f"decode B={batch} q_len={q_len} N={heads} cache={cache} context={CONTEXT} "
+                  f"topk={TOPK} GFLOP={flops(batch * q_len * TOPK, heads) / 1e9:.1f}")
+        for tokens, context, heads, cache in prefill_shapes(args.quick):
+            pairs = prefill_pairs(tokens, context, TOPK)
+            dense = attention_flops([tokens], [tokens], heads, DENSE_QK + DENSE_V, True)
+            print(f"prefill S={tokens} C={context} N={heads} cache={cache} topk={TOPK} "
+                  f"pairs={pairs} GFLOP={flops(pairs, heads) / 1e9:.1f} "
+                  f"dense_GFLOP={dense / 1e9:.1f}")
         return 0
     if not torch.cuda.is_available():
         print("the sparse benchmark needs a CUDA GPU", file=sys.stderr)
@@ -271,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header()
     if args.sweep:
         report["sweep"] = sweep(args.quick, args.heads, args.cache)
+    elif args.prefill:
+        rows, dense = [], {}
+        for tokens, context, heads, cache, inputs in prefill_workloads(
+                prefill_shapes(args.quick)):
+            rows.append(measure_prefill(inputs, tokens, context, heads, cache, dense))
+            print(rows[-1], flush=True)
+        report["results"] = rows
+        print("\n" + prefill_markdown(rows))
     else:
         rows, gather_us = [], {}
         for _, q_len, heads, cache, inputs in workloads(shapes(args.quick)):

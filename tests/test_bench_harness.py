@@ -102,6 +102,53 @@ def test_sparse_bench_gathers_the_selected_rows(cache: str, monkeypatch) -> None
     assert torch.equal(sums.long() & 0xFFFFFFFF, want_sums & 0xFFFFFFFF)
 
 
+@pytest.mark.parametrize("context", [0, 20])
+def test_sparse_bench_prefill_indices_are_the_visible_positions(context: int,
+                                                                monkeypatch) -> None:
+    # benchmarks/bench_sparse.py --prefill: query i of a prefill after `context`
+    # positions holds min(topk, context + i + 1) distinct positions it sees (all of them
+    # where it sees fewer than topk), then -1; the pairs it counts are those entries.
+    from benchmarks import bench_sparse as bs
+
+    monkeypatch.setattr(bs, "DEV", DEVICE)
+    monkeypatch.setattr(bs, "TOPK", 40)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    indices = bs.prefill_indices(50, context, gen, rows=16)  # four chunks of queries
+    assert indices.shape == (50, 40) and indices.dtype == torch.int32
+    for i, row in enumerate(indices.tolist()):
+        seen = context + i + 1
+        held = min(40, seen)
+        assert row[held:] == [-1] * (40 - held)
+        assert len(set(row[:held])) == held and all(0 <= p < seen for p in row[:held])
+        if seen <= 40:
+            assert set(row[:held]) == set(range(seen))
+    # C = 0: queries 0..38 see 1..39 positions (780 pairs), 11 see at least 40;
+    # C = 20: queries 0..18 see 21..39 (570 pairs), 31 see at least 40.
+    want = 780 + 11 * 40 if context == 0 else 570 + 31 * 40
+    assert bs.prefill_pairs(50, context, 40) == want == int((indices >= 0).sum())
+
+    # Fewer positions in all than topk: every row holds all it sees.
+    short = bs.prefill_indices(10, 0, gen)
+    assert [set(row) - {-1} for row in short.tolist()] == [set(range(i + 1))
+                                                          for i in range(10)]
+    assert bs.prefill_pairs(10, 0, 40) == 55 == int((short >= 0).sum())
+
+
+def test_sparse_bench_lists_the_prefill_shapes(capsys) -> None:
+    # `--list` needs no GPU and prints both modes' shapes: with --quick, decode at B = 64
+    # and prefill at S = 4096 (C = 0 and the request at 32k positions), N = 128 and 16,
+    # both caches.
+    from benchmarks import bench_sparse as bs
+
+    assert bs.main(["--list", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    prefill = [line for line in lines if line.startswith("prefill ")]
+    assert len(lines) == 16 and len(prefill) == 8
+    assert {line.split()[2] for line in prefill} == {"C=0", "C=28672"}
+    # C = 0, S = 4096: 2047 queries see 1..2047 positions, 2049 see at least 2048.
+    assert f"pairs={2047 * 2048 // 2 + 2049 * 2048} " in prefill[0]
+
+
 @pytest.mark.cuda
 @cuda
 def test_bench_covered_keeps_host_work_off_the_clock() -> None:
