@@ -52,9 +52,11 @@ def _ours(path) -> DeepseekForCausalLM:
     return model
 
 
-def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int]) -> torch.Tensor:
+def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int],
+                fp8_keys: bool = False) -> torch.Tensor:
     """log_softmax of our logits [len(tokens), vocab] for one request fed in chunks
-    ending at `cuts`, over a paged cache (permuted blocks, NaN everywhere unwritten)."""
+    ending at `cuts`, over a paged cache (permuted blocks, NaN everywhere unwritten;
+    fp8_keys: the indexer keys in the fp8 layout, all bytes 0xFF, NaN codes and scales)."""
     config, dims = model.config, model.dims
     num_blocks = 2 + math.ceil(len(tokens) / BLOCK)
     order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3)) + 1
@@ -66,8 +68,8 @@ def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int]) 
         cache.data.fill_(math.nan)
         if layer.self_attn.indexer is not None:
             cache.index_keys = allocate_indexer_cache(
-                num_blocks, BLOCK, config.indexer.head_dim, torch.float32, fp8=False)
-            cache.index_keys.fill_(math.nan)
+                num_blocks, BLOCK, config.indexer.head_dim, torch.float32, fp8=fp8_keys)
+            cache.index_keys.fill_(0xFF if fp8_keys else math.nan)
         caches.append(cache)
     builder = MLAMetadataBuilder(dims, block_size=BLOCK, index_topk=config.indexer.topk)
     logprobs, start = [], 0
@@ -101,6 +103,36 @@ def test_chunked_prefill_matches_transformers(checkpoint) -> None:
     ref = hf_logprobs(hf, tokens)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert (ours - ref).abs().max() < LOGPROB_TOL
+
+
+def test_fp8_indexer_keys_keep_the_selection(checkpoint, monkeypatch) -> None:
+    """With fp8 indexer keys (rotated, power-of-two scales) the first layer, whose
+    inputs are those of the float run, selects what it selects with float keys: at
+    least 95% of the positions of every chunk (12 of 16-value keys; a broken fp8 path,
+    e.g. keys read as zeros, keeps about a third)."""
+    *_, path = checkpoint
+    model = _ours(path)
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    first = model.layers[0].self_attn.indexer
+    chosen: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    for fp8 in (False, True):
+        forward = type(first).forward
+
+        def recorded(self, *args, fp8=fp8, forward=forward, **kwargs):
+            indices = forward(self, *args, **kwargs)
+            if self is first:
+                chosen[fp8].append(indices)
+            return indices
+
+        monkeypatch.setattr(type(first), "forward", recorded)
+        _run_chunks(model, tokens, [17, 40], fp8_keys=fp8)
+        monkeypatch.undo()
+    for exact, rounded in zip(chosen[False], chosen[True], strict=True):
+        hits = total = 0
+        for a, b in zip(exact.tolist(), rounded.tolist(), strict=True):
+            want = {p for p in a if p >= 0}
+            hits, total = hits + len(want & set(b)), total + len(want)
+        assert hits >= 0.95 * total
 
 
 def test_the_selection_matters(checkpoint) -> None:
@@ -169,6 +201,15 @@ def test_fp8_caches(checkpoint) -> None:
         assert len(completion.token_ids) == GREEDY.max_tokens
         assert all(math.isfinite(step[t]) for t, step in zip(completion.token_ids,
                                                               completion.logprobs))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", torch.float32])
+def test_model_dtype_caches_keep_float_indexer_keys(checkpoint, kv_cache_dtype) -> None:
+    """A cache in the model dtype, by name or as a dtype, keeps the indexer keys so too."""
+    *_, path = checkpoint
+    llm = _llm(path, kv_cache_dtype=kv_cache_dtype)
+    keys = [c.index_keys for c in llm.caches if c.index_keys is not None]
+    assert keys and all(k.dtype == torch.float32 and k.shape[-1] == 16 for k in keys)
 
 
 def test_decode_context_parallel_is_refused(checkpoint) -> None:

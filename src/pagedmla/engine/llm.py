@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedmla.cache import LatentKVCache, describe_cache_format, resolve_cache_dtype
+from pagedmla.cache import (
+    DS_MLA_DTYPE,
+    FP8_DTYPE,
+    LatentKVCache,
+    describe_cache_format,
+    resolve_cache_dtype,
+)
 from pagedmla.device import resolve_device
 from pagedmla.engine.args import EngineArgs
 from pagedmla.engine.block_manager import BlockManager
@@ -163,7 +169,7 @@ class LLM:
         cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, dtype, dims.kv_lora_rank,
                                           dims.qk_rope_head_dim)
         # A sparse model's indexer keys are fp8 where the latents are (fp8, fp8_ds_mla).
-        index_fp8 = args.kv_cache_dtype != "auto"
+        index_fp8 = cache_dtype in (FP8_DTYPE, DS_MLA_DTYPE)
         block_bytes = (
             cache_block_bytes(dims, block_size, cache_dtype, self.config.num_hidden_layers)
             + index_key_block_bytes(self.config, block_size, dtype, index_fp8)

@@ -10,7 +10,11 @@ import torch
 from pagedmla.cache import LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.models.config import DeepseekConfig
-from pagedmla.ops.reference_indexer import SCALE_BYTES, allocate_indexer_cache
+from pagedmla.ops.reference_indexer import (
+    SCALE_BYTES,
+    allocate_indexer_cache,
+    check_power_of_two,
+)
 
 GIB = 2**30
 
@@ -80,6 +84,8 @@ def index_key_block_bytes(
     index = config.indexer
     if index is None:
         return 0
+    if fp8:  # before anything is allocated: the Hadamard rotation needs a power of two
+        check_power_of_two(index.head_dim)
     per_token = index.head_dim + SCALE_BYTES if fp8 else index.head_dim * dtype.itemsize
     layers = sum(index.has_indexer(i) for i in range(config.num_hidden_layers))
     return per_token * block_size * layers

@@ -79,6 +79,20 @@ def _read_rows(data: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> 
     return rows
 
 
+def token_requests(
+    query_start_loc: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the batch's T query tokens (request after request, query_start_loc
+    [B + 1] their offsets): its request [T] and its index among the request's new tokens
+    [T], int64. Shapes only: no value is read on the host."""
+    qsl = query_start_loc.long()
+    device = query_start_loc.device
+    token_req = torch.repeat_interleave(
+        torch.arange(qsl.shape[0] - 1, device=device), qsl[1:] - qsl[:-1],
+        output_size=num_tokens)
+    return token_req, torch.arange(num_tokens, device=device) - qsl[token_req]
+
+
 def write_cache(
     data: torch.Tensor,
     kv_c: torch.Tensor,
@@ -163,12 +177,8 @@ def mla_decode(
     num_tokens, num_heads, width = q.shape
     num_reqs = seq_lens.shape[0]
     block_size = data.shape[1]
-    qsl = query_start_loc.long()
-    q_lens = qsl[1:] - qsl[:-1]
-    token_req = torch.repeat_interleave(
-        torch.arange(num_reqs, device=q.device), q_lens, output_size=num_tokens
-    )
-    token_idx = torch.arange(num_tokens, device=q.device) - qsl[token_req]
+    token_req, token_idx = token_requests(query_start_loc, num_tokens)
+    q_lens = query_start_loc.long().diff()
 
     # Pad every request to [max_query_len] queries and [max_seq_len] keys.
     q_pad = q.new_zeros(num_reqs, max_query_len, num_heads, width, dtype=torch.float32)

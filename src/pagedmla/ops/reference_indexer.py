@@ -48,6 +48,7 @@ import math
 import torch
 
 from pagedmla.cache import FP8_DTYPE
+from pagedmla.ops.reference import token_requests
 
 LOGITS_BUDGET = 1 << 26
 """Elements any per-tile intermediate of `indexer_topk` may hold (256 MiB of float32)."""
@@ -70,7 +71,7 @@ def allocate_indexer_cache(
     """An empty key cache: [num_blocks, block_size, D] in `dtype`, or the fp8 layout
     uint8 [num_blocks, block_size, D + 4] (D a power of two for the Hadamard rotation)."""
     if fp8:
-        _check_power_of_two(head_dim)
+        check_power_of_two(head_dim)
         return torch.empty(num_blocks, block_size, head_dim + SCALE_BYTES,
                            dtype=FP8_KEY_DTYPE, device=device)
     return torch.empty(num_blocks, block_size, head_dim, dtype=dtype, device=device)
@@ -93,7 +94,7 @@ def fp8_cache_views(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(num_blocks, block_size, head_dim), scales
 
 
-def _check_power_of_two(dim: int) -> None:
+def check_power_of_two(dim: int) -> None:
     if dim < 1 or dim & (dim - 1):
         raise ValueError(f"index_head_dim must be a power of two for the fp8 indexer "
                          f"cache (Hadamard rotation), got {dim}")
@@ -103,7 +104,7 @@ def hadamard_matrix(dim: int, device: str | torch.device = "cpu") -> torch.Tenso
     """The Sylvester Hadamard matrix of order `dim` (a power of two) times dim^-0.5,
     float32 [dim, dim]: entry (i, j) is (-1)^popcount(i & j) / sqrt(dim). Symmetric and
     orthogonal, the matrix of the fast Walsh-Hadamard transform in natural order."""
-    _check_power_of_two(dim)
+    check_power_of_two(dim)
     index = torch.arange(dim, device=device)
     both = index[:, None] & index[None, :]
     parity = torch.zeros_like(both)
@@ -231,11 +232,8 @@ def indexer_topk(
     block_size, num_slots = data.shape[1], data.shape[0] * data.shape[1]
 
     # Per token: its request and the number of positions it sees.
-    qsl = query_start_loc.long()
-    q_lens = qsl[1:] - qsl[:-1]
-    token_req = torch.repeat_interleave(
-        torch.arange(seq_lens.shape[0], device=q.device), q_lens, output_size=num_tokens)
-    index_in_req = torch.arange(num_tokens, device=q.device) - qsl[token_req]
+    token_req, index_in_req = token_requests(query_start_loc, num_tokens)
+    q_lens = query_start_loc.long().diff()
     visible = seq_lens.long()[token_req] - q_lens[token_req] + index_in_req + 1
 
     rows_per_tile, keys_per_tile = tile_shape(num_heads, head_dim, max_seq_len, budget)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedmla.ops.reference import _attend, _read_rows
+from pagedmla.ops.reference import _attend, _read_rows, token_requests
 
 # float32 elements the temporaries of one query chunk may hold (256 MiB), whatever T and
 # the context length.
@@ -78,14 +78,10 @@ def sparse_mla_attention(
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     if num_tokens == 0:
         return out, lse
-    qsl = query_start_loc.long()
-    token = torch.arange(num_tokens, device=q.device)
-    token_req = torch.repeat_interleave(
-        torch.arange(seq_lens.shape[0], device=q.device), qsl[1:] - qsl[:-1],
-        output_size=num_tokens,
-    )
-    # Query t of request b is at position seq_len_b - (query_start_loc[b + 1] - t).
-    token_pos = seq_lens.long()[token_req] - (qsl[token_req + 1] - token)
+    token_req, index_in_req = token_requests(query_start_loc, num_tokens)
+    # Query i of request b (q_len_b new tokens) is at position seq_len_b - q_len_b + i.
+    q_lens = query_start_loc.long().diff()
+    token_pos = seq_lens.long()[token_req] - q_lens[token_req] + index_in_req
     block_size = data.shape[1]
     step = sparse_query_rows(num_heads, width, topk, chunk_elements)
     for r0 in range(0, num_tokens, step):
