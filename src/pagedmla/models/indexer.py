@@ -23,7 +23,6 @@ from pagedmla.metadata import SparseMetadata
 from pagedmla.models.dsa_config import IndexerConfig
 from pagedmla.models.linear import BlockSize, Linear
 from pagedmla.ops.reference import apply_rope
-from pagedmla.ops.reference_indexer import write_indexer_cache
 from pagedmla.ops.registry import get_backend
 
 
@@ -71,13 +70,13 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(hidden))
         if cos is not None:
             k = self.rope(k, cos, sin)
-        write_indexer_cache(keys, k, slot_mapping)
+        ops = get_backend(self.backend, k.device)
+        ops.write_indexer_cache(keys, k, slot_mapping)
         if sparse.dense:
             return None
         q = self.wq_b(q_latent).view(-1, c.num_heads, c.head_dim)
         if cos is not None:
             q = self.rope(q, cos, sin)
         weights = self.weights_proj(hidden).float() * c.weights_scale
-        ops = get_backend(self.backend, q.device)
         return ops.indexer_topk(q, weights, keys, sparse.block_table, sparse.seq_lens,
                                 sparse.query_start_loc, sparse.max_seq_len, sparse.topk)

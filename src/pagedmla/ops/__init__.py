@@ -36,8 +36,10 @@ class Backend:
     rotary: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
     fp8_linear: Callable[..., torch.Tensor]
-    # The sparse models' lightning indexer: top-k key positions per query token.
+    # The sparse models' lightning indexer: top-k key positions per query token, and
+    # the write of its keys into their paged cache (`reference_indexer`'s signatures).
     indexer_topk: Callable[..., torch.Tensor]
+    write_indexer_cache: Callable[..., None]
     # Decode ops neither synchronise with the host nor allocate by device values, so
     # a decode step can be captured in a CUDA graph.
     graph_safe: bool = False
@@ -58,4 +60,5 @@ REFERENCE = Backend(
     fused_experts=reference.fused_experts,
     fp8_linear=reference.fp8_linear,
     indexer_topk=reference_indexer.indexer_topk,
+    write_indexer_cache=reference_indexer.write_indexer_cache,
 )

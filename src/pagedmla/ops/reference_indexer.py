@@ -33,16 +33,18 @@ block s // block_size, offset s % block_size):
   scales (block_size * 4 bytes, little-endian); `fp8_cache_views` gives both as views.
   Splitting keys from scales keeps every key row 16-byte aligned for the GPU's vector and
   TMA loads (D = 128); vLLM and DeepGEMM's paged indexer kernels read the same layout.
-  A token's key is first rotated by the normalised Hadamard matrix (`hadamard_rotate`,
+  A token's key is first rotated by the normalised Hadamard matrix (`hadamard_transform`,
   as the released models do before quantizing: it spreads outliers over all D values),
   then stored as codes = key / scale, scale = the smallest power of two >= max(amax,
   1e-4) / 448 (amax = max |value| of the rotated key). On this cache the queries are
-  rotated and quantized the same way, per token and head, before scoring; the rotation is
-  orthogonal, so q . k is unchanged but for the fp8 rounding.
+  rotated (`hadamard_rotate`: the same matrix as one matmul) and quantized the same way,
+  per token and head, before scoring; the rotation is orthogonal, so q . k is unchanged
+  but for the fp8 rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,7 +57,7 @@ LOGITS_BUDGET = 1 << 26
 FP8_KEY_DTYPE = torch.uint8  # the storage dtype that marks an fp8 indexer cache
 SCALE_BYTES = 4  # one float32 scale per token
 _FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-_AMAX_FLOOR = 1e-4  # an all-zero row still gets a finite, normal scale
+AMAX_FLOOR = 1e-4  # an all-zero row still gets a finite, normal scale
 _INVALID = torch.iinfo(torch.int64).min  # the sort key of a position a query cannot see
 _LOW_BITS = (1 << 32) - 1
 
@@ -114,15 +116,37 @@ def hadamard_matrix(dim: int, device: str | torch.device = "cpu") -> torch.Tenso
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] times the normalised Hadamard matrix, in float32."""
+    """x [..., D] times the normalised Hadamard matrix, in float32: one matmul (the
+    queries' rotation; its summation order is the BLAS library's)."""
     return x.float() @ hadamard_matrix(x.shape[-1], x.device)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of two) times the normalised Hadamard matrix, float32, in
+    a fixed order of IEEE operations (the keys' rotation), so that every implementation
+    of it, the Triton cache write's included, gives the same bits: log2 D butterfly
+    stages, each taking the adjacent pairs (a, b) = (y[2j], y[2j + 1]) to y'[j] = a + b
+    and y'[j + D/2] = a - b (after the last stage y is in natural order), then one
+    multiply by float32(D^-0.5)."""
+    y = x.float()
+    dim = y.shape[-1]
+    for _ in range(dim.bit_length() - 1):
+        a, b = y.unflatten(-1, (dim // 2, 2)).unbind(-1)
+        y = torch.cat([a + b, a - b], dim=-1)
+    return y * hadamard_scale(dim)
+
+
+@functools.cache  # asked by every indexer layer's key write on every step
+def hadamard_scale(dim: int) -> float:
+    """D^-0.5 rounded to float32 (exact as a Python float)."""
+    return float(torch.tensor(dim**-0.5, dtype=torch.float32))
 
 
 def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     """Power-of-two scales (float32) for rows of largest magnitude `amax` (float32): the
     smallest 2^e >= max(amax, 1e-4) / 448, at most 2^127 (an infinite value saturates);
     NaN where amax is NaN."""
-    ratio = amax.float().clamp(min=_AMAX_FLOOR) / _FP8_MAX  # NaN stays NaN
+    ratio = amax.float().clamp(min=AMAX_FLOOR) / _FP8_MAX  # NaN stays NaN
     bits = ratio.view(torch.int32)  # > 0: exponent field, then mantissa
     exponent = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).int()  # ceil(log2(ratio))
     scales = ((exponent.clamp(max=127) + 127) << 23).view(torch.float32)
@@ -146,7 +170,7 @@ def write_indexer_cache(data: torch.Tensor, k: torch.Tensor, slot_mapping: torch
     if not is_fp8_cache(data):
         data.view(-1, data.shape[-1])[slots] = k[keep].to(data.dtype)
         return
-    codes, scales = quantize_rows(hadamard_rotate(k[keep]))
+    codes, scales = quantize_rows(hadamard_transform(k[keep]))
     code_view, scale_view = fp8_cache_views(data)
     block_size = data.shape[1]
     blocks, offsets = slots // block_size, slots % block_size

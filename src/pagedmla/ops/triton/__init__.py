@@ -17,6 +17,7 @@ from pagedmla.ops.triton.cache_ops import gather_cache, write_cache
 from pagedmla.ops.triton.combine import merge_partials
 from pagedmla.ops.triton.decode import mla_decode
 from pagedmla.ops.triton.fp8_gemm import fp8_linear
+from pagedmla.ops.triton.index_cache import write_indexer_cache
 from pagedmla.ops.triton.indexer import indexer_topk
 from pagedmla.ops.triton.merge import merge_attn_states
 from pagedmla.ops.triton.moe import fused_experts
@@ -40,6 +41,7 @@ TRITON_BACKEND = Backend(
     fused_experts=fused_experts,
     fp8_linear=fp8_linear,
     indexer_topk=indexer_topk,
+    write_indexer_cache=write_indexer_cache,
     graph_safe=True,
 )
 
@@ -59,4 +61,5 @@ __all__ = [
     "sparse_attention",
     "varlen_attention",
     "write_cache",
+    "write_indexer_cache",
 ]
