@@ -43,14 +43,16 @@ def _expand(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -
 
 def _fake_quant(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """v [M, K] float32 -> (e4m3 values as float64, scale per element float64): one scale
-    per row and group of `group` columns, amax / 448 in float32, a zero group scale 0."""
+    per row and group of `group` columns, amax / 448 in float32, a zero group scale 0.
+    Computed on the CPU (CUDA's tensor / scalar multiplies by the reciprocal, which
+    rounds some scales one ulp away from the kernels' IEEE division), on v's device."""
     M, K = v.shape
     pad = -K % group
-    grouped = torch.nn.functional.pad(v, (0, pad)).view(M, -1, group)
+    grouped = torch.nn.functional.pad(v.cpu(), (0, pad)).view(M, -1, group)
     s = grouped.abs().amax(-1, keepdim=True) / 448.0
     q = (grouped / torch.where(s == 0, 1.0, s)).to(FP8_WEIGHT_DTYPE).double()
     scale = s.double().expand_as(grouped)
-    return q.reshape(M, -1)[:, :K], scale.reshape(M, -1)[:, :K]
+    return (q.reshape(M, -1)[:, :K].to(v.device), scale.reshape(M, -1)[:, :K].to(v.device))
 
 
 def _oracle(x, w13, s13, w2, s2, weights, ids, block, quantize: bool, eps: float = 0.0):
