@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE, DS_MLA_LATENT, DS_MLA_ROPE
+
 # Triton decides interpreter or compiler when a kernel is decorated (module import),
 # so the mode is read once here, at the same moment.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -159,3 +161,17 @@ def tiles_copyable(data: torch.Tensor, block_n: int) -> bool:
             and data.stride(0) == page * data.stride(1)
             and (data.stride(1) * data.element_size()) % 16 == 0
             and data.data_ptr() % 16 == 0 and num_blocks * page < 2**31)
+
+
+def check_cache_rows(data: torch.Tensor, kv_lora_rank: int, width: int) -> None:
+    """ValueError unless a cache's rows fit queries of `width` (L + R) values: as many
+    columns, or for fp8_ds_mla its 656-byte entries with L = 512 and R = 64."""
+    if data.dtype == DS_MLA_DTYPE:
+        if (data.shape[-1], kv_lora_rank, width) != (DS_MLA_BYTES, DS_MLA_LATENT,
+                                                     DS_MLA_LATENT + DS_MLA_ROPE):
+            raise ValueError(
+                f"an fp8_ds_mla cache has {DS_MLA_BYTES}-byte entries for L = "
+                f"{DS_MLA_LATENT}, R = {DS_MLA_ROPE}: got entries of {data.shape[-1]} "
+                f"bytes, L = {kv_lora_rank} and q rows of {width}")
+    elif data.shape[-1] != width:
+        raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")

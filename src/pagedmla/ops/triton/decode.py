@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE, DS_MLA_LATENT, DS_MLA_ROPE
 from pagedmla.ops.triton import combine
 from pagedmla.ops.triton._utils import (
     GRID_YZ_MAX,
     cdiv,
+    check_cache_rows,
     check_device,
     last_dim_contiguous,
     multiprocessor_count,
@@ -80,15 +80,7 @@ def mla_decode(
     softmax_scale = positive_finite("softmax_scale", softmax_scale)
     num_tokens, num_heads, width = q.shape
     L = kv_lora_rank
-    if data.dtype == DS_MLA_DTYPE:
-        if (data.shape[-1], L, width) != (DS_MLA_BYTES, DS_MLA_LATENT,
-                                          DS_MLA_LATENT + DS_MLA_ROPE):
-            raise ValueError(
-                f"an fp8_ds_mla cache has {DS_MLA_BYTES}-byte entries for L = "
-                f"{DS_MLA_LATENT}, R = {DS_MLA_ROPE}: got entries of {data.shape[-1]} "
-                f"bytes, L = {L} and q rows of {width}")
-    elif data.shape[-1] != width:
-        raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")
+    check_cache_rows(data, L, width)
     if data.shape[0] * data.shape[1] == 0:  # (nor could the copy engine describe it)
         raise ValueError(f"data: a cache of shape {tuple(data.shape)} holds no position")
     num_reqs = seq_lens.shape[0]

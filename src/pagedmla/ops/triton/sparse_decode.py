@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE, DS_MLA_LATENT, DS_MLA_ROPE, FP8_DTYPE
+from pagedmla.cache import DS_MLA_DTYPE, FP8_DTYPE
 from pagedmla.ops.triton._utils import (
     cdiv,
+    check_cache_rows,
     check_device,
     dot_precision,
     last_dim_contiguous,
@@ -196,15 +197,7 @@ def sparse_attention(
     num_tokens, num_heads, width = q.shape
     L = kv_lora_rank
     ds_mla = data.dtype == DS_MLA_DTYPE
-    if ds_mla:
-        if (data.shape[-1], L, width) != (DS_MLA_BYTES, DS_MLA_LATENT,
-                                          DS_MLA_LATENT + DS_MLA_ROPE):
-            raise ValueError(
-                f"an fp8_ds_mla cache has {DS_MLA_BYTES}-byte entries for L = "
-                f"{DS_MLA_LATENT}, R = {DS_MLA_ROPE}: got entries of {data.shape[-1]} "
-                f"bytes, L = {L} and q rows of {width}")
-    elif data.shape[-1] != width:
-        raise ValueError(f"cache rows have {data.shape[-1]} columns, q has {width}")
+    check_cache_rows(data, L, width)
     if indices.dim() != 2 or indices.shape[0] != num_tokens:
         raise ValueError(f"indices must have shape [{num_tokens}, topk], got "
                          f"{list(indices.shape)}")
