@@ -102,10 +102,12 @@ def check_power_of_two(dim: int) -> None:
                          f"cache (Hadamard rotation), got {dim}")
 
 
+@functools.cache  # every indexer layer rotates its queries on every step: build it once
 def hadamard_matrix(dim: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """The Sylvester Hadamard matrix of order `dim` (a power of two) times dim^-0.5,
     float32 [dim, dim]: entry (i, j) is (-1)^popcount(i & j) / sqrt(dim). Symmetric and
-    orthogonal, the matrix of the fast Walsh-Hadamard transform in natural order."""
+    orthogonal, the matrix of the fast Walsh-Hadamard transform in natural order. One
+    tensor per (dim, device), shared by every caller: read it, never write it."""
     check_power_of_two(dim)
     index = torch.arange(dim, device=device)
     both = index[:, None] & index[None, :]
