@@ -106,14 +106,14 @@ def inputs(case: Case, heads: int, dim: int, page: int, seed: int = 0) -> tuple:
 
 def check(args: tuple, logits: torch.Tensor, token: int) -> float:
     """Relative error of the logits of `token` (of the first request; logits' first row)
-    against torch (float32, the keys dequantized), over the positions it sees."""
+    against torch (float64, the keys dequantized), over the positions it sees."""
     q, weights, data, table, seq_lens, qsl = args
     seen = int(seq_lens[0]) - int(qsl[1]) + token + 1
     page = data.shape[1]
     pos = torch.arange(seen, device=DEV)
     keys = read_indexer_keys(data, table[0, pos // page].long() * page + pos % page)
-    queries = prepare_queries(q[token:token + 1], True)[0]
-    want = ((queries @ keys.T).relu() * weights[token].unsqueeze(1)).sum(0)
+    queries = prepare_queries(q[token:token + 1], True)[0].double()
+    want = ((queries @ keys.double().T).relu() * weights[token].double().unsqueeze(1)).sum(0)
     return float((logits[0, :seen] - want).norm() / want.norm())
 
 
@@ -152,7 +152,7 @@ def measure(name: str, args_ns: argparse.Namespace, ceil: dict[str, float]) -> d
     config = pick_config(T, len(case.seq_lens), heads)
     logits = launch(config)
     rel = check(args, logits, r0)
-    if rel > 1e-3:
+    if rel > 4e-3:  # fp8 tensor-core products accumulate with ~14-bit precision
         raise SystemExit(f"{name}: relative error {rel:.2e} of the logits against torch")
     picks = min(topk, P)
     row = {"case": name, "tokens": T, "requests": len(case.seq_lens), "positions": P,

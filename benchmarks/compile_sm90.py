@@ -8,9 +8,14 @@ spilled values inside a tile loop slow a kernel down). This builds every path
 `decode.mla_decode` can take on an H100/H200 (the 16-row bf16 and fp8 kernels, one split
 per program and persistent runs; the 64-row kernel with 16-bit and fp8 caches; the
 Triton kernel; the plan and the combine), both prefill kernels, the sparse kernel
-(`sparse_decode`, 16 and 128 heads, bf16 and fp8_ds_mla caches) and the lightning
-indexer's logits kernel (decode and prefill), from CPU tensors,
-with a stand-in for the CUDA driver that reports an sm_90a target and turns every
+(`sparse_decode`, 16 and 128 heads, bf16 and fp8_ds_mla caches), the lightning
+indexer's logits kernel (decode and prefill; its top-k is torch's) and every other
+Triton kernel of `ops/triton`, each through the entry point the backend calls: the
+latent cache write and gather (bf16, fp8, fp8_ds_mla), the indexer key write (fp8,
+bf16), the activation quantization, the block-fp8 GEMM (DeepSeek-V3's q_a, kv_a, q_b
+and o_proj at 16 and 4096 rows), the bf16 and fp8 routed experts (16 and 4096
+tokens), merge_attn_states, merge_partials, RMSNorm and the rotary embedding; all from
+CPU tensors, with a stand-in for the CUDA driver that reports an sm_90a target and turns every
 launch into a compile-only warm-up; the device's facts are faked through
 `selection.device_platform`. Run it with the Triton the GPU machine has: other versions
 compile other code, and the Gluon kernels build with one release only
@@ -165,6 +170,135 @@ def compile_indexer(tokens: int, requests: int, context: int, fp8: bool = True) 
                            torch.zeros(tokens, heads), data.zero_(), table, seq_lens, starts)
 
 
+def _latent_cache(blocks: int, page: int, kind: str) -> torch.Tensor:
+    """A zero latent cache [blocks, page, 576] of `kind`: "bf16", "fp8" (e4m3, one
+    scale) or "fp8_ds_mla" (uint8 entries of 656 bytes)."""
+    from pagedmla.cache import DS_MLA_BYTES, DS_MLA_DTYPE, FP8_DTYPE
+
+    if kind == "fp8_ds_mla":
+        return torch.zeros(blocks, page, DS_MLA_BYTES, dtype=DS_MLA_DTYPE)
+    return torch.zeros(blocks, page, 576, dtype=FP8_DTYPE if kind == "fp8" else torch.bfloat16)
+
+
+def compile_cache_write(tokens: int, kind: str) -> None:
+    """Build `cache_ops.write_cache` for kv_c [tokens, 512] and k_pe [tokens, 64] (bf16,
+    contiguous, as the model passes them) into a `kind` cache of pages of 64."""
+    from pagedmla.ops.triton import cache_ops
+
+    data = _latent_cache(tokens // 64 + 1, 64, kind)
+    cache_ops.write_cache(data, torch.zeros(tokens, 512, dtype=torch.bfloat16),
+                          torch.zeros(tokens, 64, dtype=torch.bfloat16),
+                          torch.arange(tokens, dtype=torch.int64), torch.ones(()))
+
+
+def compile_gather(rows: int, requests: int, kind: str) -> None:
+    """Build `cache_ops.gather_cache` for a chunk of `rows` context rows, rows / requests
+    from each of `requests` requests, out [rows, 576] bf16, a `kind` cache of pages of 64."""
+    from pagedmla.ops.triton import cache_ops
+
+    pages = rows // requests // 64 + 1
+    data = _latent_cache(requests * pages, 64, kind)
+    table = torch.arange(requests * pages, dtype=torch.int32).view(requests, pages)
+    cu = torch.arange(0, rows + 1, rows // requests, dtype=torch.int32)
+    to_seq = torch.arange(rows, dtype=torch.int32) // (rows // requests)
+    cache_ops.gather_cache(data, torch.ones(()), table, torch.zeros(requests, dtype=torch.int32),
+                           cu, to_seq, torch.zeros(rows, 576, dtype=torch.bfloat16))
+
+
+def compile_index_write(tokens: int, fp8: bool) -> None:
+    """Build `index_cache.write_indexer_cache` for keys k [tokens, 128] bf16 into an
+    indexer key cache of pages of 64: fp8 (codes and scales) or bf16 rows."""
+    from pagedmla.ops.reference_indexer import allocate_indexer_cache
+    from pagedmla.ops.triton import index_cache
+
+    data = allocate_indexer_cache(tokens // 64 + 1, 64, 128, torch.bfloat16, fp8).zero_()
+    index_cache.write_indexer_cache(data, torch.zeros(tokens, 128, dtype=torch.bfloat16),
+                                    torch.arange(tokens, dtype=torch.int64))
+
+
+def compile_quantize(rows: int, width: int) -> None:
+    """Build `fp8_quant.quantize_activations` for x [rows, width] bf16, groups of 128."""
+    from pagedmla.ops.triton import fp8_quant
+
+    fp8_quant.quantize_activations(torch.zeros(rows, width, dtype=torch.bfloat16), 128)
+
+
+def compile_fp8_linear(rows: int, n: int, k: int) -> None:
+    """Build `fp8_gemm.fp8_linear` (its pick_config; the split-K sum where it splits) for
+    x [rows, k] bf16 and W [n, k] e4m3 in 128 x 128 scale blocks."""
+    from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE, scale_grid
+    from pagedmla.ops.triton import fp8_gemm
+
+    weight = torch.zeros(n, k, dtype=FP8_WEIGHT_DTYPE)
+    fp8_gemm.fp8_linear(torch.zeros(rows, k, dtype=torch.bfloat16), weight,
+                        torch.zeros(scale_grid(weight.shape, (128, 128))), (128, 128))
+
+
+def compile_moe(tokens: int, fp8: bool, experts: int = 16) -> None:
+    """Build `moe.fused_experts` for x [tokens, 7168] bf16, top-8 routing, `experts`
+    experts of intermediate 2048 (w13 [E, 4096, 7168], w2 [E, 7168, 2048]; bf16, or e4m3
+    with 128 x 128 scale blocks), the tiles DeepSeek-V3's 256 experts get (pick_config)."""
+    from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE
+    from pagedmla.ops.triton import moe
+
+    H, inter, top_k, E = 7168, 2048, 8, experts
+    dtype = FP8_WEIGHT_DTYPE if fp8 else torch.bfloat16
+    w13 = torch.zeros(E, 2 * inter, H, dtype=dtype)
+    w2 = torch.zeros(E, H, inter, dtype=dtype)
+    ids = (torch.arange(tokens * top_k) % E).view(tokens, top_k)
+    config = (moe.pick_config(tokens * top_k, 256, group=128) if fp8
+              else moe.pick_config(tokens * top_k, 256))
+    scales = ((torch.zeros(E, 2, inter // 128, H // 128), torch.zeros(E, H // 128, inter // 128),
+               (128, 128)) if fp8 else (None, None, None))
+    moe.fused_experts(torch.zeros(tokens, H, dtype=torch.bfloat16), w13, w2,
+                      torch.zeros(tokens, top_k), ids, *scales, config=config)
+
+
+def compile_merge(tokens: int, heads: int, width: int, write_lse: bool) -> None:
+    """Build `merge.merge_attn_states` for partials [tokens, heads, width] bf16 with lse
+    [heads, tokens] float32, the merged lse stored or not."""
+    from pagedmla.ops.triton import merge
+
+    part = torch.zeros(tokens, heads, width, dtype=torch.bfloat16)
+    lse = torch.zeros(heads, tokens)
+    merge.merge_attn_states(part, lse, part.clone(), lse.clone(), torch.zeros_like(part),
+                            torch.zeros_like(lse) if write_lse else None)
+
+
+def compile_merge_partials(ranks: int, tokens: int, heads: int) -> None:
+    """Build `combine.merge_partials` as decode context parallelism calls it: `ranks`
+    partials out [ranks, tokens, heads, 512] and lse, views of one float32 [ranks,
+    tokens, heads, 513] tensor, merged to bf16."""
+    from pagedmla.ops.triton import combine
+
+    received = torch.zeros(ranks, tokens, heads, 513)
+    combine.merge_partials(received[..., :512], received[..., 512], torch.bfloat16)
+
+
+def compile_norm(tokens: int, width: int, residual: bool) -> None:
+    """Build `norm.rms_norm` (or `add_rms_norm` with a residual) for x [tokens, width]
+    bf16 and a bf16 weight."""
+    from pagedmla.ops.triton import norm
+
+    x, weight = torch.zeros(tokens, width, dtype=torch.bfloat16), torch.zeros(width,
+                                                                              dtype=torch.bfloat16)
+    if residual:
+        norm.add_rms_norm(x, x.clone(), weight, 1e-6)
+    else:
+        norm.rms_norm(x, weight, 1e-6)
+
+
+def compile_rope(tokens: int, heads: int, interleaved: bool) -> None:
+    """Build `rope.rotary` for q [tokens, heads, 128 + 64] bf16 and k_pe [tokens, 64],
+    a strided view of the kv_a output [tokens, 576], cos / sin [tokens, 32] float32."""
+    from pagedmla.ops.triton import rope
+
+    latent = torch.zeros(tokens, 576, dtype=torch.bfloat16)
+    cos = torch.zeros(tokens, 32)
+    rope.rotary(torch.zeros(tokens, heads, 192, dtype=torch.bfloat16), latent[:, 512:], cos,
+                cos.clone(), interleaved)
+
+
 def ptx_hash(name: str, ptx: str) -> str:
     """A hash of the kernel `name`'s PTX without its name, comments, line information
     and debug sections: what a rename or a move of the source leaves unchanged."""
@@ -180,6 +314,22 @@ def ptx_hash(name: str, ptx: str) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+def failure_reason(error: BaseException) -> str:
+    """A failed build's cause in one line: the innermost error (the compiler's own, not
+    its trace); for a Triton CompilationError, its message and the function and line
+    (of that function's source, its `def` line 1) it points at."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    message, src = getattr(error, "error_message", None), getattr(error, "src", None)
+    if message and src and hasattr(error.node, "lineno"):
+        function = re.search(r"def (\w+)", src)
+        where = f"{function.group(1) if function else '?'} line {error.node.lineno}: "
+        text = where + message.strip().splitlines()[-1]
+    else:
+        text = str(error).strip().splitlines()[0]
+    return f"{type(error).__name__}: {text[:160]}".replace("|", "/")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ptx", action="store_true",
@@ -188,18 +338,29 @@ def main(argv: list[str] | None = None) -> None:
     driver.set_active(_Sm90Driver())
     JITFunction.__getitem__ = _compile_only
     from pagedmla.ops.triton import (
+        cache_ops,
+        combine,
         decode,
         decode_triton,
+        fp8_gemm,
+        fp8_quant,
+        index_cache,
         indexer,
+        merge,
+        moe,
+        norm,
         prefill,
         prefill_hopper,
+        rope,
         sparse_decode,
     )
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
-    decode.check_device = prefill.check_device = indexer.check_device = lambda *tensors: None
-    sparse_decode.check_device = lambda *tensors: None
-    decode.multiprocessor_count = indexer.multiprocessor_count = lambda device: 132
+    for module in (cache_ops, combine, decode, fp8_gemm, fp8_quant, index_cache, indexer,
+                   merge, moe, norm, prefill, rope, sparse_decode):
+        module.check_device = lambda *tensors: None
+        if hasattr(module, "multiprocessor_count"):
+            module.multiprocessor_count = lambda device: 132
     prefill_hopper.l2_cache_bytes = lambda device: 50 * 2**20
     decode_triton.INTERPRETED = False
     cases = [  # (label, batch, heads, context, fp8, page, gluon)
@@ -210,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         ("fp8 2 x 16 rows", 8, 32, 4096, True, 64, True),
         ("bf16 64 rows", 1, 128, 65536, False, 64, True),
         ("fp8 64 rows", 4, 128, 4096, True, 64, True),
+        ("fp8 64 rows, 200 requests (combine loops)", 200, 128, 4096, True, 64, True),
         ("Triton kernel, persistent runs", 200, 16, 4096, False, 64, False),
     ]
     ptx_column = (" PTX hash |", "---|") if options.ptx else ("", "")
@@ -224,15 +386,34 @@ def main(argv: list[str] | None = None) -> None:
                ("indexer prefill, bf16", compile_indexer, (4096, 1, 4096, False))]
     builds += [(f"sparse {'fp8_ds_mla' if ds else 'bf16'}, {heads} heads", compile_sparse,
                 (64, heads, ds)) for heads in (16, 128) for ds in (True, False)]
+    kinds = ("bf16", "fp8", "fp8_ds_mla")
+    builds += [(f"cache write {kind}, {n} tokens", compile_cache_write, (n, kind))
+               for kind in kinds for n in (64, 4096)]
+    builds += [(f"cache gather {kind}, 4096 rows", compile_gather, (4096, 4, kind))
+               for kind in kinds]
+    builds += [(f"indexer key write {'fp8' if fp8 else 'bf16'}, 4096 tokens",
+                compile_index_write, (4096, fp8)) for fp8 in (True, False)]
+    builds += [("fp8 quantize 16 x 7168", compile_quantize, (16, 7168))]
+    builds += [(f"fp8 linear {name} {k}->{n}, M={m}", compile_fp8_linear, (m, n, k))
+               for m in (16, 4096)
+               for name, n, k in (("q_a", 1536, 7168), ("kv_a", 576, 7168),
+                                  ("q_b", 24576, 1536), ("o_proj", 7168, 16384))]
+    builds += [(f"MoE {'fp8' if fp8 else 'bf16'} experts, {t} tokens", compile_moe, (t, fp8))
+               for fp8 in (False, True) for t in (16, 4096)]
+    builds += [("merge 128 heads x 128, lse", compile_merge, (4096, 128, 128, True)),
+               ("merge 128 heads x 128, no lse", compile_merge, (4096, 128, 128, False)),
+               ("merge_partials 4 ranks, 64 tokens", compile_merge_partials, (4, 64, 16)),
+               ("rms_norm 1536", compile_norm, (64, 1536, False)),
+               ("rms_norm 512", compile_norm, (64, 512, False)),
+               ("add_rms_norm 7168", compile_norm, (64, 7168, True)),
+               ("rotary interleaved, 128 heads", compile_rope, (64, 128, True)),
+               ("rotary halves, 128 heads", compile_rope, (64, 128, False))]
     for label, build, args in builds:
         done = len(COMPILED)
         try:
             build(*args)
         except Exception as error:  # a kernel that does not build with this Triton
-            while error.__cause__ is not None:  # the compiler's own error, not its trace
-                error = error.__cause__
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
-            print(f"| {label} | does not build: {reason} | | | |", flush=True)
+            print(f"| {label} | does not build: {failure_reason(error)} | | | |", flush=True)
         for name, kernel in COMPILED[done:]:
             registers, spills = ptxas_report(kernel)
             ptx = f" {ptx_hash(name, kernel.asm['ptx'])} |" if options.ptx else ""

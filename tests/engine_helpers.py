@@ -38,4 +38,4 @@ def assert_same_completions(
         assert a.token_ids == b.token_ids
         for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
             for token, value in step_a.items():
-                assert abs(value - step_b[token]) < tol
+                assert abs(value - step_b[token]) < tol, (value, step_b[token])

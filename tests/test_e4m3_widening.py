@@ -2,8 +2,8 @@
 and copied-sign forms, and the copied-sign form without its multiply, for bf16 and
 fp16). The interpreter cannot run inline assembly,
 so on the CPU these tests execute the kernels' PTX text with a small model of the six
-instructions it uses (PTX ISA semantics of prmt, shl, shr, and, or and mul.rn on
-16-bit pairs) and compare every code, in every byte position of a word, with PyTorch's
+instructions it uses (PTX ISA semantics of prmt, shl, shr, and, or, not, add and
+mul.rn on 16-bit pairs) and compare every code, in every byte position of a word, with PyTorch's
 own e4m3 decoding. The kernels themselves are checked on the GPU by
 `test_triton_decode_hopper.test_decode_gpu_hopper_fp8_widening_is_exact`."""
 
@@ -80,6 +80,10 @@ def _run(asm: str, word: int, dtype: torch.dtype) -> tuple[int, int]:
             regs[dst] = value(src[0]) & value(src[1])
         elif op == "or.b32":
             regs[dst] = value(src[0]) | value(src[1])
+        elif op == "not.b32":
+            regs[dst] = ~value(src[0]) & MASK32
+        elif op == "add.u32":
+            regs[dst] = (value(src[0]) + value(src[1])) & MASK32
         elif re.fullmatch(r"mul\.rn\.(bf16|f16)x2", op):
             regs[dst] = _mul_pairs(value(src[0]), value(src[1]), dtype)
         else:
@@ -109,7 +113,13 @@ def test_widening_ptx_decodes_every_code(form: str, dtype: torch.dtype) -> None:
     # power of two: exact in float64.
     got = (got.double() * 2.0 ** exponent).float()
     finite = want.isfinite()
+    if form == "raw":
+        # NaN codes read as NaN; so may the other codes of a word that holds one.
+        assert got[~finite].isnan().all()
+        finite = ~(~finite).view(-1, 4).any(1, keepdim=True).expand(-1, 4).reshape(-1)
+        assert 0.9 < finite.float().mean() < 1  # words with NaN are few
     # Compared as bits through float32: signed zeros and subnormals must match exactly.
     assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
-    # The two NaN codes (never written: the cache writer saturates) read as +-480.
-    assert torch.equal(got[~finite].abs(), torch.full_like(got[~finite], 480.0))
+    if form != "raw":
+        # The NaN codes (never written: the cache writer saturates) read as +-480.
+        assert torch.equal(got[~finite].abs(), torch.full_like(got[~finite], 480.0))

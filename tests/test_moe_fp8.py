@@ -89,8 +89,10 @@ def _oracle(x, w13, s13, w2, s2, weights, ids, block, quantize: bool, eps: float
                 safe = torch.where(s == 0, 1.0, s)
                 # The group's scale moves with its amax, by the group's largest err.
                 err = err + act.abs() * _fake_quant(err.float()[None], bk)[1][0] / safe
-                lo = ((act - err) / safe).float().to(FP8_WEIGHT_DTYPE).double()
-                hi = ((act + err) / safe).float().to(FP8_WEIGHT_DTYPE).double()
+                # The kernel saturates at +-448 (a cast past it would be NaN).
+                lo = ((act - err) / safe).clamp(-448, 448).float().to(FP8_WEIGHT_DTYPE)
+                hi = ((act + err) / safe).clamp(-448, 448).float().to(FP8_WEIGHT_DTYPE)
+                lo, hi = lo.double(), hi.double()
                 a_d = q * s
                 act_slack = torch.maximum(hi - q, q - lo) * s + err
             out[t] += weight * (down_w @ a_d)

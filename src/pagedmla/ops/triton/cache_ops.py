@@ -62,8 +62,8 @@ def _quantize_fp8(x, scale, SOFTWARE_ROUND: tl.constexpr):
     # Correctly rounded division, as torch's x / scale (bit-exact cache contents).
     y = tl.math.div_rn(x.to(tl.float32), scale)
     # Saturate, keeping NaN (plain min / max return the other operand for NaN).
-    nan = tl.PropagateNan.ALL
-    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=nan), 448.0, propagate_nan=nan)
+    y = tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if SOFTWARE_ROUND:
         bits = y.to(tl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 127

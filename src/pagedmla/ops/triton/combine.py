@@ -34,17 +34,21 @@ def _combine_entry(cut_ptr, entry, t, num_entries, num_splits, ALL_SPLITS: tl.co
     """Entry `entry` of the combine, for its token t: (its first split, its split count,
     first token, q_len, the partials' token index); count 0 past the last entry (a
     check left out where the entry is known to be INSIDE the list)."""
+    # (Exclusive branches: Triton compiles the statements after a return inside a
+    # constexpr if, and cut_ptr is not an int32 pointer when ALL_SPLITS.)
     if ALL_SPLITS:  # entry k is token k, with every split, at its own index
         return 0, tl.where(INSIDE or entry < num_entries, num_splits, 0), entry, 1, entry
-    request = cut_ptr + WORK_FIELDS * entry
-    if INSIDE:
-        return (tl.load(request + 1), tl.load(request + 3), tl.load(request + 5),
-                tl.load(request + 6), t)
-    live = entry < num_entries
-    return (tl.load(request + 1, mask=live, other=0),
-            tl.load(request + 3, mask=live, other=0),  # 0 past the cut requests too
-            tl.load(request + 5, mask=live, other=0), tl.load(request + 6, mask=live, other=0),
-            t)
+    else:
+        request = cut_ptr + WORK_FIELDS * entry
+        if INSIDE:
+            return (tl.load(request + 1), tl.load(request + 3), tl.load(request + 5),
+                    tl.load(request + 6), t)
+        else:
+            live = entry < num_entries
+            return (tl.load(request + 1, mask=live, other=0),
+                    tl.load(request + 3, mask=live, other=0),  # 0 past the cut requests
+                    tl.load(request + 5, mask=live, other=0),
+                    tl.load(request + 6, mask=live, other=0), t)
 
 
 @triton.jit

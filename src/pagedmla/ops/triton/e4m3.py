@@ -13,8 +13,8 @@ from triton.experimental.gluon import language as gl
 # exponent biases differ by 120 for bf16, 8 for fp16), four values per call. The
 # hardware's conversions (cvt e4m3x2 -> f16x2, then f16 -> bf16) issue at a quarter of
 # the integer rate and made the fp8 tile's widening, not its copy, the bottleneck.
-# Subnormals come out exact; an e4m3 NaN would read as +-480 (the cache writer
-# saturates, so only a NaN model input can put one there). Two forms:
+# Subnormals come out exact; an e4m3 NaN reads as +-480 in the first two forms (the
+# cache writer saturates, so only a NaN model input can put one there). Two forms:
 # - split sign: each code to the high byte of its lane, the sign masked off, the rest
 #   shifted right and masked, the two or-ed (ptxas: five instructions per pair);
 # - copied sign: a byte permute puts each code in the low byte of its lane and copies
@@ -53,14 +53,29 @@ mul.rn.{ty}x2 $1, t, k;
 }}"""
 # The copied-sign form without the multiply: the values come out 2^-120 (bf16) or 2^-8
 # (fp16) of the codes', exact (subnormal 16-bit values included); the caller scales.
+# It keeps NaN (the 64-row kernel widens cached latents, where a NaN model input
+# leaves NaN codes): y = (word | 0x80808080) + 0x01010101 clears the top bit of a byte
+# whose code is +-NaN (low seven bits all ones), and a byte permute copies each byte's
+# top bit over its lane, whose complement or-ed in makes the lane 0xFFFF, a NaN. The
+# carry out of a NaN byte can flag the code above it in the same word too: harmless,
+# since the NaN already makes that cache row's score NaN. Four more instructions per
+# word (or, add, two permutes; ptxas folds the not and or into the mask's).
 _COPIED_SIGN_RAW = """{{
-.reg .b32 t;
+.reg .b32 t, y, n;
+or.b32 y, $2, 0x80808080;
+add.u32 y, y, 0x01010101;
 prmt.b32 t, $2, 0, 0x9180;
 shl.b32 t, t, {shift};
-and.b32 $0, t, {mask};
+and.b32 t, t, {mask};
+prmt.b32 n, y, 0, 0x9988;
+not.b32 n, n;
+or.b32 $0, t, n;
 prmt.b32 t, $2, 0, 0xB3A2;
 shl.b32 t, t, {shift};
-and.b32 $1, t, {mask};
+and.b32 t, t, {mask};
+prmt.b32 n, y, 0, 0xBBAA;
+not.b32 n, n;
+or.b32 $1, t, n;
 }}"""
 _BF16 = dict(one="0x7B807B80", ty="bf16")
 _F16 = dict(one="0x5C005C00", ty="f16")
