@@ -7,7 +7,8 @@ Every number in docs/PERFORMANCE.md comes from a result file in docs/results/, a
 each table's card, date, commit and command (docs/results/provenance.json supplies them
 for files that do not record them). The verdicts against the targets are computed here,
 the tables come from `performance_tables.py` (`performance_fp8.py`: block-fp8
-weights and DeepSeek-V3 at real size) and the prose from `performance_text.py`.
+weights and DeepSeek-V3 at real size; `performance_sparse.py`: sparse attention and the
+lightning indexer) and the prose from `performance_text.py`.
 So numbers and text cannot drift apart: a new result file means running this module, and
 a CPU test runs `--check`. Standard library only.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import performance_fp8 as fp8
+from benchmarks import performance_sparse as sparse
 from benchmarks import performance_text as text
 from benchmarks.performance_tables import (
     Results,
@@ -63,6 +65,8 @@ MILLION = 1 << 20  # "1M cached tokens" in the README's summary
 # Result files whose sections are rendered only once they exist.
 FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h100.json", "moe_fp8_h100.json", "v3_layers_h200.json"
 MEMORY_PLAN = "memory_plan.json"
+SPARSE_DECODE, SPARSE_PREFILL = "sparse_decode_h100.json", "sparse_prefill_h100.json"
+INDEXER = "indexer_h100.json"
 
 
 # -- targets -----------------------------------------------------------------------------
@@ -182,6 +186,16 @@ def _gemm_compute(res: Results) -> tuple[str, str]:
     return measured, verdict([fp8.gemm_compute_ok(r) for r in rows])
 
 
+def _measured(name: str, measure: Callable[[dict], tuple[str, list[bool]]]
+              ) -> Callable[[Results], tuple[str, str]]:
+    """A target's measure from a function of one result file that returns the measured
+    text and whether each row in scope meets the bound."""
+    def run(res: Results) -> tuple[str, str]:
+        measured, passes = measure(res.load(name))
+        return measured, verdict(passes)
+    return run
+
+
 TARGETS = [
     Target("decode, bf16 cache, N·q_len ≤ 16 (memory-bound): ≥ 90% of the HBM read ceiling",
            _memory_bound_bf16, text.LIMITS["memory_bound"]),
@@ -204,6 +218,19 @@ TARGETS = [
     Target("fp8 GEMM, same shapes, M ≥ 2048: ≥ 1.6x the TFLOP/s of bf16 `torch.matmul` and "
            "≥ 0.9x `torch._scaled_mm`'s (per-tensor scales)", _gemm_compute,
            text.LIMITS["gemm_compute"], FP8_GEMM),
+    Target(f"sparse decode (top-k 2048), N 128: ≥ {sparse.DECODE_TFLOPS:.0f} TFLOP/s",
+           _measured(SPARSE_DECODE, sparse.decode_tflops), text.LIMITS["sparse_tflops"],
+           SPARSE_DECODE),
+    Target(f"sparse decode, N 16: ≥ {sparse.GATHER_PCT:.0f}% of the gather rate (a plain "
+           "gather of the same rows)",
+           _measured(SPARSE_DECODE, sparse.decode_gather), text.LIMITS["sparse_gather"],
+           SPARSE_DECODE),
+    Target(f"sparse prefill: ≥ {sparse.PREFILL_RATIO}x the dense prefill's TFLOP/s",
+           _measured(SPARSE_PREFILL, sparse.prefill_ratio), text.LIMITS["sparse_prefill"],
+           SPARSE_PREFILL),
+    Target("lightning indexer, decode (64 requests × 65,536 positions): ≤ 0.32 ms; prefill "
+           "4k: ≤ 0.70 ms; 16k: ≤ 6.5 ms", _measured(INDEXER, sparse.indexer_totals),
+           text.LIMITS["indexer"], INDEXER),
 ]
 
 
@@ -242,6 +269,19 @@ def fp8_sections(res: Results) -> list[str]:
     return out
 
 
+def sparse_section(res: Results) -> list[str]:
+    """Sparse attention and the lightning indexer, each table where its file exists."""
+    parts = [(SPARSE_DECODE, sparse.decode_table), (SPARSE_PREFILL, sparse.prefill_table),
+             (INDEXER, sparse.indexer_table)]
+    out: list[str] = []
+    for name, make in parts:
+        if res.has(name):
+            out += [res.source(name), "", *make(res.load(name)), ""]
+    if not out:
+        return []
+    return ["## Sparse attention (DeepSeek-V3.2, GLM-5)", text.SPARSE, "", *out]
+
+
 def render_performance(res: Results) -> str:
     kernels = res.load("kernels_h200.json")
     parallel = engine_table([res.load("engine_tp2_2xh200.json"),
@@ -278,6 +318,7 @@ def render_performance(res: Results) -> str:
         moe_ceilings(res.load("moe_h200.json")), "",
         *experts_table(res.load("moe_h200.json")),
         *fp8_sections(res),
+        *sparse_section(res),
         "## MQA or MHA", res.source("routing_h200.json"), "", text.ROUTING, "",
         *routing_lines(res.load("routing_h200.json")),
         "## CPU", text.CPU,

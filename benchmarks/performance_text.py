@@ -160,6 +160,17 @@ node holds what one GPU holds; with DCP 8 each token's latent lives on one rank 
 group, and the node holds eight times as many. "does not fit": the GiB missing for the
 weights, the workspace and the smallest cache (2 blocks)."""
 
+SPARSE = """`sparse_attention` (`ops/triton/sparse_decode.py`, a portable Triton kernel): each query
+token attends the top-k 2048 positions its indexer picked (64-token pages in random
+order), L 512, R 64, N 128 (one GPU) or 16 (over 8 ranks), an fp8_ds_mla (656-byte rows)
+or bf16 cache; FLOPs 2·N·topk·(2L + R) per token. Decode: B requests of q_len tokens at
+32k positions; "% of gather": the faster plain gather of the same rows (a Triton read,
+`torch.index_select`) over the kernel's time. Prefill: S tokens after C positions;
+"ratio": TFLOP/s over those of the dense prefill op on the same S tokens, causal over
+themselves (qk 192, v 128). Indexer (64 heads of 128, fp8 keys): the parts time the last
+chunk of query rows, "total" `indexer_topk` over all chunks; targets: DeepGEMM's logits
+kernel with `torch.topk` on an H200, as another engine measured it."""
+
 ROUTING = """Which path a request of q new tokens over C cached ones should take: the
 absorbed MQA path, or the MHA path with chunked context. One `MLAAttention` forward per
 path from Python, bf16, Triton backend, median of 10 CUDA-event timings; at small q the
@@ -200,4 +211,16 @@ LIMITS = {
     "engine": "Asynchronous scheduling plans and enqueues step n+1 while the device runs "
     "step n; the host's own work (Python per sequence) adds to a step only where it "
     "exceeds the device's time.",
+    "sparse_tflops": "The portable Triton kernel (mma.sync, no wgmma): at 128 heads it "
+    "holds all 255 registers a thread may use and spills with fp8_ds_mla, whose rows it "
+    "dequantizes tile by tile; a Hopper wgmma kernel is needed.",
+    "sparse_gather": "Each program's index load and the row gather it feeds form a "
+    "dependent chain with one or two tiles in flight; fp8_ds_mla's 656-byte rows are "
+    "dequantized inside the loop.",
+    "indexer": "The parts around the logits kernel: the query preparation (Hadamard "
+    "rotation, fp8 rounding) is about six PyTorch launches and the top-k is "
+    "`torch.topk`, neither fused into the kernel.",
+    "sparse_prefill": "One program per query token gathers that token's own top-k rows for "
+    "its N heads only, so each gathered row feeds N·(2L + R) multiply-adds; dense prefill "
+    "reuses each key tile across 64 or more query rows.",
 }
