@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 
 from pagedmla import LLM, SamplingParams
-from pagedmla.engine.llm import LaunchedStep
 from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.engine.sequence import Sequence
+from pagedmla.engine.step_loop import LaunchedStep
 from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 
 BATCHED_TOKENS = 16384  # max_num_batched_tokens of the engines measured

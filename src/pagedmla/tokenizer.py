@@ -21,8 +21,9 @@ class TextTokenizer(Protocol):
     bos_token_id: int | None
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens the model expects (e.g. BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the model expects (e.g. BOS)
+        unless add_special_tokens is False (a rendered chat template holds its own)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -44,10 +45,10 @@ class ByteTokenizer:
     special_tokens = ("<pad>", "<bos>", "<eos>")
     """Names of ids 0, 1, 2 in the `tokenizers` version (`to_tokenizers`)."""
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """BOS (unless `add_bos` is False), then one id per UTF-8 byte of `text`."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """BOS (unless add_special_tokens is False), then one id per UTF-8 byte of `text`."""
         ids = [b + self.num_special_tokens for b in text.encode("utf-8")]
-        return [self.bos_token_id, *ids] if add_bos else ids
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes of the non-special ids as UTF-8; invalid sequences become U+FFFD.
@@ -107,9 +108,10 @@ class FileTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`; the file's post-processor adds BOS where the model wants it."""
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`; the file's post-processor adds BOS where the model wants it
+        (unless add_special_tokens is False)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` without special tokens."""

@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,28 +40,18 @@ from pagedmla.engine.memory import (
     workspace_bytes,
 )
 from pagedmla.engine.model_runner import DriverRunner, ModelRunner
-from pagedmla.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from pagedmla.engine.outputs import EngineStats, RequestOutput, StreamOutput
 from pagedmla.engine.piecewise import PiecewiseGraphs, token_buckets
-from pagedmla.engine.sampler import DrawnTokens, draw
+from pagedmla.engine.requests import Request, RequestTracker
+from pagedmla.engine.sampler import TokenHistory, draw
 from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
+from pagedmla.engine.step_loop import LaunchedStep, StepLoop
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
-
-
-@dataclass
-class LaunchedStep:
-    """A step enqueued on the device: its batch, the entries it samples (in row order)
-    and their tokens on the way to the host (None when it samples nothing)."""
-
-    batch: ScheduledBatch
-    sampled: list[Sequence]
-    drawn: DrawnTokens | None
-    tick: float  # when its launch began (perf_counter)
-
 
 logger = logging.getLogger(__name__)
 
@@ -350,38 +339,35 @@ class LLM:
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         requests = self._requests(prompts, sampling_params)
-        generators = {
-            seq.seq_id: torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            for _, seq in requests
-            if seq.params.seed is not None
-        }
+        generators: dict[int, torch.Generator] = {}
+        tracker = RequestTracker(self.scheduler, self.tokenizer, self.device, generators)
         self.stats = EngineStats()
         start = time.perf_counter()
         self._last_done = start
         preemptions = self.scheduler.num_preemptions
+        tracked: list[Request] = []
+        total = sum(seq.params.n for _, seq in requests)
         try:
-            for _, seq in requests:
-                self.scheduler.add(seq)
-            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-                launched: LaunchedStep | None = None
-                while launched is not None or self.scheduler.has_unfinished():
-                    if launched is None:
-                        launched = self.launch(self.scheduler.schedule(), generators)
-                    ahead = (
-                        self.scheduler.schedule_ahead(launched.batch)
-                        if self.async_scheduling
-                        else None
-                    )
-                    following = (
-                        None if ahead is None else self.launch(ahead, generators, launched)
-                    )
-                    bar.update(len(self.complete(launched, start)))
-                    launched = following
+            with tqdm(total=total, desc="generate", disable=not use_tqdm) as bar:
+                def progress(out: StreamOutput) -> None:
+                    bar.update(out.finish_reason is not None)
+
+                for _, seq in requests:
+                    tracked.append(Request(seq.seq_id, seq, self._reserve_ids(seq.params.n - 1),
+                                           progress))
+                    tracker.admit(tracked[-1])
+                loop = StepLoop(self, generators, start)
+                while loop.busy:
+                    for seq in loop.advance()[0]:
+                        tracker.emit(seq)
         except BaseException:
-            self._abort([seq for _, seq in requests])
+            self._abort([seq for _, seq in requests]
+                        + [c.seq for request in tracked for c in request.completions])
             raise
         self.stats.preemptions = self.scheduler.num_preemptions - preemptions
-        return [self._output(text, seq) for text, seq in requests]
+        return [RequestOutput(request.request_id, text, seq.token_ids[:seq.num_prompt_tokens],
+                              [c.output() for c in request.completions])
+                for (text, seq), request in zip(requests, tracked, strict=True)]
 
     def _requests(
         self,
@@ -405,6 +391,12 @@ class LLM:
             requests.append((text, seq))
         self._next_id += len(requests)
         return requests
+
+    def _reserve_ids(self, count: int) -> int:
+        """The first of `count` new sequence ids."""
+        first = self._next_id
+        self._next_id += count
+        return first
 
     def _encode(self, index: int, prompt: object) -> tuple[str | None, list[int]]:
         """prompts[index] as (its text or None, its token ids)."""
@@ -465,10 +457,14 @@ class LLM:
         sampled = [seq for seq, s in zip(batch.seqs, batch.needs_sample, strict=True) if s]
         drawn = None
         if sampled:
+            # Penalties and min_tokens read each row's tokens so far; an ahead batch's
+            # newest token, not on the host yet, is read from samples_before on the
+            # device, so ahead steps stay exact and are still planned for such requests.
             drawn = draw(
                 logits,
                 [seq.params for seq in sampled],
                 [generators.get(seq.seq_id, self.generator) for seq in sampled],
+                TokenHistory.of(batch, samples_before, self.scheduler.eos_token_id),
             )
         return LaunchedStep(batch, sampled, drawn, tick)
 
@@ -500,17 +496,6 @@ class LLM:
         for seq in launched.sampled:
             self.stats.first_token_times.setdefault(seq.seq_id, now)
         return self.scheduler.postprocess(batch, sampled)
-
-    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        decoded = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt=text,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(out_ids, decoded, seq.output_logprobs, seq.finish_reason,
-                                      seq.error)],
-        )
 
 
 def _serve_driver(args: EngineArgs) -> None:

@@ -29,6 +29,22 @@ class RequestOutput:
 
 
 @dataclass
+class StreamOutput:
+    """What one step added to one completion of a request (`OnlineEngine`): the new
+    token ids, the text they complete (held back while it may still begin a stop string
+    or ends in an incomplete character), their logprobs, and, on the completion's last
+    output only, why it stopped ("stop", "length", "abort", "error" with `error`)."""
+
+    request_id: int
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
 class EngineStats:
     """Counters of the last generate() call, for throughput reports.
 

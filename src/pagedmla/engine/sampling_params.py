@@ -33,6 +33,26 @@ class SamplingParams:
         seed: per-request seed, an int in [0, 2**64); a seeded request draws its
             randomness from its own generator, so its tokens do not depend on the
             other requests in a batch.
+        min_tokens: until this many tokens are generated, the model's end-of-sequence
+            token (even with ``ignore_eos``) and ``stop_token_ids`` cannot be drawn and
+            do not stop the request; in [0, max_tokens].
+        presence_penalty: subtracted from the logit of every token generated so far
+            (the prompt does not count); in [-2, 2], 0 is off. Positive values favour
+            new tokens.
+        frequency_penalty: subtracted from each token's logit once per time it was
+            generated so far; in [-2, 2], 0 is off.
+        repetition_penalty: for every token in the prompt or generated so far, a
+            positive logit is divided by it and a negative one multiplied by it
+            (CTRL's penalty); finite and > 0, 1 is off, > 1 discourages repetition.
+        n: completions of the prompt; they share its cached blocks (`RequestTracker`).
+        stop: strings that end a completion (reason ``"stop"``) when its text holds one,
+            once it has min_tokens tokens; the text ends before the stop string, the
+            token ids with the token that completed it.
+
+    The penalties and the min_tokens mask apply to the raw logits, repetition penalty
+    first, before temperature, top-k and top-p, and for greedy rows too (the argmax of
+    the penalised logits), as in vLLM and the OpenAI API. Returned logprobs stay those
+    of the raw logits.
 
     Each field is checked by type and value (`validate`) when the object is made and
     again by every `LLM.generate` call it is given to.
@@ -46,6 +66,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     seed: int | None = None
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
+    stop: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +112,36 @@ class SamplingParams:
             # The range of torch.Generator.manual_seed.
             self.seed = integer("SamplingParams.seed", self.seed, minimum=0,
                                 maximum=2**64 - 1)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _reject("min_tokens", f"in [0, max_tokens] = [0, {self.max_tokens}]",
+                    self.min_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                _reject(name, "in [-2, 2]", value)
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            _reject("repetition_penalty", "finite and > 0", self.repetition_penalty)
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            _reject("n", ">= 1", self.n)
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)):
+                raise TypeError(f"SamplingParams.stop must be None or a list of str, got "
+                                f"{self.stop!r}")
+            for i, text in enumerate(self.stop):
+                if not isinstance(text, str) or not text:
+                    raise (TypeError if not isinstance(text, str) else ValueError)(
+                        f"SamplingParams.stop[{i}] must be a non-empty str, got {text!r}")
+            self.stop = list(self.stop)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of presence, frequency or repetition penalty is on."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _int(field: str, value: object) -> int:

@@ -449,11 +449,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Why ``seq`` stops after ``token_id``, its newest token; None if it goes on.
+
+        EOS and stop tokens stop it only once it holds min_tokens generated tokens (the
+        sampler keeps them from being drawn before; this covers a row that could draw
+        nothing else)."""
         params = seq.params
-        if not params.ignore_eos and token_id == self.eos_token_id:
-            return "stop"
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return "stop"
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == self.eos_token_id:
+                return "stop"
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"
         return None
