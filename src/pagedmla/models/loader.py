@@ -9,8 +9,10 @@ dtype, and the checkpoint tensors and slices that fill it, hence the bytes the r
 weights take (`ModelPlan.weight_bytes`), all before anything is allocated.
 `load_planned` allocates the rank's tensors on the device, reads only their slices from
 the shards, shard by shard, and derives what `process_weights_after_loading` derives.
-A rank never holds a tensor of the whole model. The built-in tiny model is made in
-memory: loaded whole with `load_weights`, then sharded.
+A rank never holds a tensor of the whole model. "tiny" is the trained tiny checkpoint
+the package ships (`models/tiny.py`), read as any checkpoint directory but with the byte
+tokenizer; without it, the random tiny model, made in memory: loaded whole with
+`load_weights`, then sharded.
 
 A faulty checkpoint is a ValueError naming the file: JSON that does not parse, a
 config.json key missing or of the wrong type (named too), a shard that is truncated or
@@ -23,6 +25,7 @@ dequantized).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -45,7 +48,7 @@ from pagedmla.models.checkpoint import (
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM, ignored_weight, weight_index
 from pagedmla.models.shards import Alternatives, Index, Piece, RankShards, Shard
-from pagedmla.models.tiny import tiny_config, tiny_weights
+from pagedmla.models.tiny import tiny_config, tiny_weights, trained_tiny_dir
 from pagedmla.ops.block_fp8 import all_finite
 from pagedmla.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
@@ -59,6 +62,8 @@ __all__ = [
     "load_planned",
     "plan_model",
 ]
+
+logger = logging.getLogger(__name__)
 
 # The whole model (on the meta device) -> this rank's module and how it holds the
 # model's tensors (`pagedmla.distributed.tensor_parallel.shard_for`); a rank may hold a
@@ -91,7 +96,7 @@ class ModelPlan:
     plan loads once); sources: the model tensors the rank holds, by the whole model's
     state_dict key; targets: the rank module's state_dict key -> that key;
     derived_bytes: what process_weights_after_loading adds (W_UK, W_UV); checkpoint:
-    None for the built-in tiny model.
+    None for the random tiny model.
     """
 
     model: str
@@ -113,16 +118,23 @@ class ModelPlan:
         return sum(s.nbytes for s in self.sources.values()) + self.derived_bytes
 
 
-def _config_dict(model: str | os.PathLike[str]) -> dict[str, Any]:
-    """config.json of "tiny" or of a checkpoint directory, as a plain dict."""
+def checkpoint_dir(model: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint directory `model` names: "tiny" is the trained tiny model's, or
+    None (the random tiny model) when the package holds no trained weights."""
     if str(model) == "tiny":
-        return tiny_config()
+        return trained_tiny_dir()
     directory = Path(model)
     if not directory.is_dir():
         raise FileNotFoundError(
             f"model must be 'tiny' or a checkpoint directory; {str(model)!r} is neither"
         )
-    return read_config(directory)
+    return directory
+
+
+def _config_dict(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """config.json of "tiny" or of a checkpoint directory, as a plain dict."""
+    directory = checkpoint_dir(model)
+    return tiny_config() if directory is None else read_config(directory)
 
 
 def _parse_config(model: str | os.PathLike[str], config_dict: dict[str, Any]) -> DeepseekConfig:
@@ -156,23 +168,28 @@ def plan_model(
     by `shard` (None: whole); a block-fp8 checkpoint's weights kept in fp8, or with
     `keep_fp8` False dequantized to `dtype` as they are read. Reads config.json, the
     tokenizer and the shards' headers; allocates nothing."""
-    config_dict = _config_dict(model)
+    directory = checkpoint_dir(model)
+    if directory is None:
+        logger.warning("the package holds no trained tiny model (models/tiny_trained): "
+                       "'tiny' is the random one, whose text is noise")
+    config_dict = tiny_config() if directory is None else read_config(directory)
     config = _parse_config(model, config_dict)
     if not keep_fp8:
         config = replace(config, weight_block_size=None)
     checkpoint = None
     tokenizer: TextTokenizer | None = ByteTokenizer()
-    if str(model) != "tiny":
-        directory = Path(model)
+    if directory is not None:
         checkpoint = Checkpoint(directory, block_size_of(config_dict, directory / "config.json"))
-        tokenizer = load_tokenizer(directory, config_dict)
+        if str(model) != "tiny":
+            tokenizer = load_tokenizer(directory, config_dict)
     whole = DeepseekForCausalLM(config, dtype, "meta", backend)
     full = {key: tuple(t.shape) for key, t in whole.state_dict().items()}
     alternatives = whole.checkpoint_sources()
     if checkpoint is None:
         pieces = {key: alts[0] for key, alts in alternatives.items()}
     else:
-        pieces = _chosen_pieces(str(model), checkpoint, alternatives, config.num_hidden_layers)
+        pieces = _chosen_pieces(str(directory), checkpoint, alternatives,
+                                config.num_hidden_layers)
     module, rank = (whole, RankShards({}, {k: k for k in full})) if shard is None else shard(whole)
     decoder = _decoder(module)
     decoder.process_weights_after_loading()  # on meta: the derived tensors' shapes
@@ -256,7 +273,9 @@ def load_planned(plan: ModelPlan, device: str | torch.device = "cpu") -> nn.Modu
                 file = checkpoint.stored[piece.name].file
                 reads.setdefault(file, []).append((key, piece.name, *placed))
     with checkpoint.opened():
-        for file in tqdm(sorted(reads), desc="Loading checkpoint shards", unit="shard"):
+        # The built-in model loads as quietly as the random one (one small shard).
+        for file in tqdm(sorted(reads), desc="Loading checkpoint shards", unit="shard",
+                         disable=plan.model == "tiny"):
             for key, name, index, dest in reads[file]:
                 view = tensors[key][dest]
                 view.copy_(checkpoint.read(name, index, view.dtype))
@@ -272,7 +291,7 @@ def load_planned(plan: ModelPlan, device: str | torch.device = "cpu") -> nn.Modu
 
 
 def _load_tiny(plan: ModelPlan, device: torch.device) -> nn.Module:
-    """The built-in tiny model: made whole in memory, then sharded."""
+    """The random tiny model: made whole in memory, then sharded."""
     net = DeepseekForCausalLM(plan.config, plan.dtype, device, plan.backend)
     provided = net.load_weights(tiny_weights(plan.config_dict))
     assert provided == net.expected_weight_names()

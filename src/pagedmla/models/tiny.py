@@ -1,11 +1,16 @@
-"""The built-in tiny model: DeepSeek-V3 architecture, local deterministic weights.
+"""The built-in tiny model: DeepSeek-V3 architecture, small enough for a 2-core CPU.
 
-Small enough for a 2-core CPU, yet every feature of the architecture is on: q LoRA,
-YaRN RoPE in the interleaved layout, a dense first layer, then MoE with a shared
-expert and the V3 router (sigmoid, group-limited, bias-corrected, renormalised,
-scaled). Its weights are made here from a fixed seed and go through the same
-`load_weights` path as a real checkpoint; `write_tiny_checkpoint` saves them as a
-checkpoint directory for tests and benchmarks that need one on disk.
+Every feature of the architecture is on: q LoRA, YaRN RoPE in the interleaved layout, a
+dense first layer, then MoE with a shared expert and the V3 router (sigmoid,
+group-limited, bias-corrected, renormalised, scaled). Two versions exist:
+
+* the trained one, shipped with the package in `tiny_trained/` (a checkpoint directory
+  with a chat template that `scripts/train_tiny.py` writes, trained on the project's own
+  documentation): `model="tiny"` loads it when it is there (`trained_tiny_dir`);
+* the random one, `tiny_config()` with weights made here from a fixed seed
+  (`tiny_weights`), which `model="tiny"` falls back to without the trained one, and
+  which tests compare against Hugging Face; `write_tiny_checkpoint` saves it as a
+  checkpoint directory for tests and benchmarks that need one on disk.
 """
 
 from __future__ import annotations
@@ -25,9 +30,18 @@ from pagedmla.tokenizer import ByteTokenizer
 FP8 = torch.float8_e4m3fn
 FP8_BLOCK = (128, 128)
 
+TRAINED_DIR = Path(__file__).with_name("tiny_trained")
+"""Where the package keeps the trained tiny model (see `trained_tiny_dir`)."""
+
+
+def trained_tiny_dir() -> Path | None:
+    """The trained tiny model's checkpoint directory, or None when the package holds none
+    (no config.json there; then "tiny" is the random model of `tiny_config`)."""
+    return TRAINED_DIR if (TRAINED_DIR / "config.json").is_file() else None
+
 
 def tiny_config() -> dict[str, Any]:
-    """The tiny model's config.json, as a Hugging Face DeepSeek-V3 checkpoint has it."""
+    """The random tiny model's config.json, as a Hugging Face DeepSeek-V3 checkpoint has it."""
     tok = ByteTokenizer
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
