@@ -19,7 +19,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, ...]] = [
     # Plain values and host-side planning: no tensors of the model.
     ("pagedmla.device", "pagedmla.dims", "pagedmla.validation", "pagedmla.planner",
-     "pagedmla.tokenizer", "pagedmla.host_arrays"),
+     "pagedmla.tokenizer", "pagedmla.host_arrays", "pagedmla.version"),
     # The paged cache and the path cost model.
     ("pagedmla.cache", "pagedmla.routing"),
     # Kernels: know nothing of metadata classes, layers, models or the engine.
@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, ...]] = [
     # Tensor / decode context parallelism: knows nothing of the engine above it.
     ("pagedmla.distributed",),
     ("pagedmla.engine",),
+    # The HTTP server over the online engine.
+    ("pagedmla.server",),
     ("pagedmla",),
 ]
 

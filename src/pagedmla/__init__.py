@@ -33,12 +33,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(engine, name)
     if name == "__version__":
-        # The installed distribution's version (pyproject.toml's); "unknown" when the
-        # package runs from a source tree that was never installed.
-        from importlib.metadata import PackageNotFoundError, version
+        from pagedmla.version import package_version
 
-        try:
-            return version("pagedmla")
-        except PackageNotFoundError:
-            return "unknown"
+        return package_version()
     raise AttributeError(f"module 'pagedmla' has no attribute {name!r}")

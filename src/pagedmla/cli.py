@@ -1,4 +1,4 @@
-"""The `pagedmla` command line (also `python -m pagedmla`): generate, bench, check.
+"""The `pagedmla` command line (also `python -m pagedmla`): generate, serve, bench, check.
 
 The engine flags of `generate` and `bench` are `EngineArgs`' fields
 (`EngineArgs.add_cli_args`), with its defaults.
@@ -74,6 +74,13 @@ def _probability(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
+    return value
+
+
 def _device(text: str) -> str:
     try:
         torch.device(text)
@@ -107,7 +114,7 @@ def _throughput(tokens: int, seconds: float) -> str:
 def _generate(args: argparse.Namespace) -> int:
     prompts = [*(args.prompt or []), *(args.prompts_file or [])]
     if not prompts:
-        prompts = ["The paged latent cache", "Multi-head latent attention is"]
+        prompts = ["**pagedmla** is", "MLA (DeepSeek-V2) caches", "Tensor parallelism"]
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_tokens=args.max_tokens, seed=args.seed if args.temperature > 0 else None,
@@ -151,6 +158,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedmla.server.main import serve
+
+    return serve(EngineArgs.from_cli_args(args), host=args.host, port=args.port,
+                 api_key=args.api_key, served_model_name=args.served_model_name)
+
+
 def _check(args: argparse.Namespace) -> int:
     from pagedmla.check import run_check
 
@@ -185,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=_positive_int, default=32,
                        help="most tokens per request, drawn like --input-len")
     bench.set_defaults(func=_bench)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming)")
+    EngineArgs.add_cli_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: %(default)s, this machine only)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="demand 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: --model)")
+    serve.set_defaults(func=_serve)
 
     check = commands.add_parser(
         "check", help="run a mixed MLA step for DeepSeek shapes against the dense oracle"

@@ -1,0 +1,1 @@
+"""`pagedmla serve`: the OpenAI-compatible HTTP server over an `OnlineEngine`."""
