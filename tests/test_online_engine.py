@@ -61,6 +61,7 @@ def test_requests_added_while_others_run_match_offline(llms) -> None:
             time.sleep(rng.random() * 0.02)  # arrivals while earlier requests run
         for thread in threads:
             thread.join()
+    assert len(results) == len(prompts)  # no thread failed
     for i, outs in results.items():
         assert [t for out in outs for t in out.token_ids] == want[i]
         assert [out.finish_reason for out in outs][:-1] == [None] * (len(outs) - 1)
@@ -195,3 +196,57 @@ def test_generate_offline_takes_n_and_stop_strings(llms) -> None:
     assert ids == full.token_ids[:len(ids)]
     assert stop in offline.tokenizer.decode(ids) and stop not in offline.tokenizer.decode(ids[:-1])
     _assert_idle(offline)
+
+
+def test_a_failed_step_fails_its_requests_and_the_next_runs_as_fresh(llms, monkeypatch) -> None:
+    online_llm, offline = llms
+    launch = online_llm.launch
+    calls = {"n": 0}
+
+    def failing_launch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return launch(*args, **kwargs)
+
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with OnlineEngine(online_llm) as engine:
+        monkeypatch.setattr(online_llm, "launch", failing_launch)
+        failed = _collect(engine, [11, 12, 13], long)
+        monkeypatch.setattr(online_llm, "launch", launch)
+        assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error
+        _assert_idle(online_llm)
+        got = _collect(engine, [9, 8, 7, 6], GREEDY)
+    want = offline.generate([[9, 8, 7, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for out in got for t in out.token_ids] == want
+
+
+def test_stop_strings_count_only_from_min_tokens_on(llms) -> None:
+    online_llm, offline = llms
+    prompt = "MLA (DeepSeek-V2) caches"
+    base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = offline.generate([prompt], base, use_tqdm=False)[0].outputs[0].text
+    stop = full[1:3]  # in the text of the first few tokens
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop],
+                            min_tokens=8)
+    offline_text = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    with OnlineEngine(online_llm) as engine:
+        online_text = "".join(o.text for o in _collect(engine, prompt, params))
+    assert online_text == offline_text
+    # A match is looked for once 8 tokens are out, in text past the first 7 tokens' (one
+    # byte, one character each here): one that ends inside those 7 does not count.
+    assert full[:8].isascii()
+    after = full.find(stop, 7 - len(stop) + 1)
+    assert offline_text == (full[:after] if after != -1 else full)
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llms) -> None:
+    _, offline = llms
+    outs = offline.generate([[5, 6], [7, 8]], [
+        SamplingParams(top_k=10**20, max_tokens=4, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=4, seed=1, ignore_eos=True)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids and outs[0].outputs[0].finish_reason == "length"
+    # The same draw as with top_k off (seeded, so the other row does not matter).
+    again = offline.generate([[5, 6]], SamplingParams(max_tokens=4, seed=1, ignore_eos=True),
+                             use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == again[0].outputs[0].token_ids

@@ -74,6 +74,8 @@ class Server:
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
+        if "{" in name:
+            return 0.0  # a labelled series not seen yet
         raise KeyError(name)
 
     def stop(self) -> int:
@@ -179,6 +181,49 @@ def test_a_disconnected_client_aborts_its_request(server) -> None:
         time.sleep(0.1)
     assert server.metric("pagedmla_num_requests_running") == 0
     assert server.metric("pagedmla_kv_cache_usage_perc") == 0
+    # Aborted, not finished: 3000 tokens take far longer than the wait above.
+    assert server.metric('pagedmla_request_success_total{finished_reason="abort"}') >= 1
+
+
+def test_a_client_that_drops_a_whole_response_request_aborts_it(server) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = server.metric('pagedmla_request_success_total{finished_reason="abort"}')
+    body = {"model": MODEL, "prompt": "drop", "max_tokens": 3000, "temperature": 0.0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=1.0)
+    deadline = time.time() + 30
+    while server.metric("pagedmla_num_requests_running") != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("pagedmla_num_requests_running") == 0
+    assert server.metric('pagedmla_request_success_total{finished_reason="abort"}') > before
+
+
+def test_logprobs_and_a_chat_without_max_tokens(server) -> None:
+    client = server.client()
+    whole = _complete(client, False, prompt="logprobs", max_tokens=6, temperature=0.0,
+                      logprobs=2, extra_body={"ignore_eos": True})
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6
+    # Greedy: each token's logprob is the largest of its step's top entries (entries are
+    # keyed by text, so tokens of the same text share one).
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and value >= max(top.values()) - 1e-6
+    args = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 3, "max_tokens": 12, "stop": ["zz", "e"],
+            "extra_body": {"ignore_eos": True}}
+    chat = client.chat.completions.create(**args)
+    streamed = list(client.chat.completions.create(stream=True, **args))
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(entries) == len(chat.choices[0].logprobs.content)
+    assert all(len(e.top_logprobs) == 3 for e in entries)
+    # No max_tokens: as many as the model and the cache allow (here max_tokens 2 stops it
+    # early only through the prompt's length; the request must be accepted).
+    free = client.chat.completions.create(model=MODEL, temperature=0.0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          stop=["\n"])
+    assert free.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("body, param", [

@@ -381,6 +381,9 @@ class LLM:
         requests = []
         for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text, ids = self._encode(index, prompt)
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"sampling_params for prompts[{index}]: stop strings need "
+                                 "a tokenizer, and this model has none (use stop_token_ids)")
             if len(ids) + p.max_tokens > self.max_model_len:
                 raise ValueError(
                     f"prompts[{index}] of {len(ids)} tokens + max_tokens {p.max_tokens} "

@@ -23,7 +23,7 @@ import torch
 
 from pagedmla.engine.llm import LLM
 from pagedmla.engine.outputs import StreamOutput
-from pagedmla.engine.requests import OutputCallback, Request, RequestTracker
+from pagedmla.engine.requests import OutputCallback, Request, RequestTracker, deliver
 from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.step_loop import StepLoop
 
@@ -64,7 +64,7 @@ class OnlineEngine:
         on_output(StreamOutput) is called on the engine thread for every piece of every
         completion; it must return quickly and not raise."""
         with self._cv:
-            if self._closing or not self._thread.is_alive():
+            if self._closing or self.error is not None:
                 raise RuntimeError("the engine is closed" if self._closing else
                                    f"the engine thread stopped: {self.error!r}")
             (_, seq), = self.llm._requests([prompt], params)
@@ -138,8 +138,15 @@ class OnlineEngine:
                     self._serve()
         except BaseException as error:  # the LLM is unusable: fail what is left
             logger.exception("the engine thread stopped")
-            self.error = error
-            self._fail_all(f"the engine stopped: {error!r}")
+            with self._cv:  # add() refuses from now on, so _pending stays empty after this
+                self.error = error
+                pending, self._pending = self._pending, []
+            reason = f"the engine stopped: {error!r}"
+            self._fail_admitted(reason)
+            for request in pending:
+                for index in range(request.params.n):
+                    deliver(request, StreamOutput(request.request_id, index, [], "", [],
+                                                  "error", reason))
 
     def _serve(self) -> None:
         tracker = self._tracker
@@ -163,24 +170,23 @@ class OnlineEngine:
                 continue
             try:
                 sampled, _ = loop.advance()
-            except Exception as error:  # a failed step fails its requests, not the engine
+            except Exception as error:
+                if self.llm.parallel is not None:
+                    raise  # the failed step stopped the workers: the LLM is unusable
+                # A failed step fails the requests it may have touched, not the engine.
                 logger.exception("a step failed")
                 self.llm._abort([c.seq for r in tracker.requests.values()
                                  for c in r.completions])
-                self._fail_all(f"a step failed: {error!r}")
+                self._fail_admitted(f"a step failed: {error!r}")
                 loop = StepLoop(self.llm, self._generators)
                 continue
+            first_tokens = self.llm.stats.first_token_times
             for seq in sampled:
                 tracker.emit(seq)
+                first_tokens.pop(seq.seq_id, None)  # offline reports only: keep none
 
-    def _fail_all(self, error: str) -> None:
-        """End every request, admitted or not, with finish_reason "error"."""
+    def _fail_admitted(self, error: str) -> None:
+        """End every admitted request with finish_reason "error"."""
         for request_id in list(self._tracker.requests):
             self._tracker.finish(request_id, "error", error)
-        with self._cv:
-            pending, self._pending = self._pending, []
-        for request in pending:
-            for index in range(request.params.n):
-                request.on_output(StreamOutput(request.request_id, index, [], "", [], "error",
-                                               error))
 

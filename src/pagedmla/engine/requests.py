@@ -12,6 +12,7 @@ the completion's token ids end with the token that completed it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,16 @@ from pagedmla.engine.sequence import Sequence
 from pagedmla.tokenizer import TextTokenizer
 
 OutputCallback = Callable[[StreamOutput], None]
+
+logger = logging.getLogger(__name__)
+
+
+def deliver(request: Request, out: StreamOutput) -> None:
+    """request.on_output(out); a callback that raises loses its output, not the engine."""
+    try:
+        request.on_output(out)
+    except Exception:
+        logger.exception("the output callback of request %d raised", request.request_id)
 
 
 @dataclass
@@ -112,9 +123,11 @@ class RequestTracker:
             if reason is not None:
                 detokenizer.flush()
             stops = request.params.stop
+            searched, completion.searched = completion.searched, len(detokenizer.text)
             if stops and seq.num_output_tokens >= request.params.min_tokens:
-                at = find_stop(detokenizer.text, stops, completion.searched)
-                completion.searched = len(detokenizer.text)
+                # Only text new since the last look: what came before min_tokens (and may
+                # have been given out) is not searched again.
+                at = find_stop(detokenizer.text, stops, searched)
                 if at != -1:
                     detokenizer.text = detokenizer.text[:at]
                     if reason is None:  # the sequence runs on: stop it
@@ -127,7 +140,7 @@ class RequestTracker:
             completion.sent_text = end
         if reason is not None:
             self._close(request, completion)
-        request.on_output(StreamOutput(request.request_id, completion.index, ids, text,
+        deliver(request, StreamOutput(request.request_id, completion.index, ids, text,
                                        logprobs, reason, seq.error))
 
     def finish(self, request_id: int, reason: str, error: str | None = None) -> None:
@@ -143,7 +156,7 @@ class RequestTracker:
             completion.seq.finish_reason = reason
             completion.seq.error = error
             self._close(request, completion)
-            request.on_output(StreamOutput(request_id, completion.index, [], "", [], reason,
+            deliver(request, StreamOutput(request_id, completion.index, [], "", [], reason,
                                            error))
 
     def _new_seq(self, request: Request, index: int) -> Sequence:

@@ -316,7 +316,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     # so top_k=1 picks exactly the greedy token.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=device)
-    top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=device)
+    # (A top_k past the vocabulary keeps everything; capped, it fits an int64 tensor.)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k != -1 else vocab for p in params],
+                         device=device)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
     # A token is kept while the mass strictly before it is below top_p: the smallest set

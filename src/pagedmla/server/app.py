@@ -13,10 +13,10 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -73,7 +73,8 @@ class _Outputs:
         self.queue: asyncio.Queue[StreamOutput] = asyncio.Queue()
 
     def __call__(self, out: StreamOutput) -> None:  # on the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        if not self.loop.is_closed():  # else the server has stopped: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
 def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None = None,
@@ -96,15 +97,29 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         return ApiError(f"{where}: {first.get('msg', 'invalid request')}", param=where
                         ).response()
 
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next: Callable) -> Response:
-        protected = request.url.path.startswith(("/v1/", "/tokenize", "/detokenize"))
-        if api_key is not None and protected:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return ApiError("invalid or missing API key (Authorization: Bearer ...)",
-                                status=401, code="invalid_api_key").response()
-        return await call_next(request)
+    async def authorize(request: Request) -> None:
+        """The API key check of the protected routes (a dependency: an HTTP middleware
+        would hide a client's disconnect from the handlers)."""
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError("invalid or missing API key (Authorization: Bearer ...)",
+                           status=401, code="invalid_api_key")
+
+    protected = [Depends(authorize)]
+
+    manager = llm.block_manager
+    capacity = manager.num_usable_blocks * manager.block_size  # tokens the cache holds
+
+    def render_chat(messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of the messages through the chat template (400 if it refuses)."""
+        assert chat is not None and tokenizer is not None
+        try:
+            text = chat(messages, add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=False)
+        except (ValueError, TypeError, UnicodeError) as error:
+            raise ApiError(str(error), param="messages") from error
 
     def check_model(body: SamplingRequest) -> None:
         if body.model != model_name:
@@ -127,10 +142,12 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
                     prompt = tokenizer.encode(prompt)
                 request_id = engine.add(prompt, params, outputs)
                 jobs.append(_Job(request_id, i * params.n, len(prompt), params.n))
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, UnicodeError, RuntimeError) as error:
             for job in jobs:
                 engine.abort(job.request_id)
-            raise ApiError(str(error)) from error
+            status = 503 if isinstance(error, RuntimeError) else 400
+            raise ApiError(str(error), status=status) from error
+        metrics.prompt_tokens(sum(job.prompt_tokens for job in jobs))
         return jobs
 
     async def collect(jobs: list[_Job], outputs: _Outputs, request: Request
@@ -138,7 +155,7 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         """The jobs' outputs as they come, until every completion finished; a client
         that disconnects (or a cancelled response) aborts the jobs."""
         by_id = {job.request_id: job for job in jobs}
-        arrived = time.perf_counter()
+        arrived = polled = time.perf_counter()
         last: dict[tuple[int, int], float] = {}
         open_ = sum(job.n for job in jobs)
         try:
@@ -146,10 +163,14 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
                 try:
                     out = await asyncio.wait_for(outputs.queue.get(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    out = None
+                now = time.perf_counter()
+                if now - polled >= _DISCONNECT_POLL_S:
+                    polled = now
                     if await request.is_disconnected():
                         return
+                if out is None:
                     continue
-                now = time.perf_counter()
                 if out.token_ids:
                     key = (out.request_id, out.index)
                     metrics.tokens(len(out.token_ids), now - last.get(key, arrived),
@@ -160,13 +181,14 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
                     metrics.finished(out.finish_reason, now - arrived)
                 yield by_id[out.request_id], out
         finally:
-            if open_:
+            if open_:  # the client left (or the response was cancelled): abort the rest
                 for job in jobs:
                     engine.abort(job.request_id)
+                for _ in range(open_):
+                    metrics.finished("abort", time.perf_counter() - arrived)
 
     def usage(jobs: list[_Job], completion_tokens: int) -> dict:
         prompt_tokens = sum(job.prompt_tokens for job in jobs)
-        metrics.prompt_tokens(prompt_tokens)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
@@ -175,6 +197,11 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def token_bytes(text: str) -> list[int] | None:
+        # A token that is part of a character decodes to U+FFFD: its bytes are unknown
+        # here (the tokenizer protocol gives text only), and null says so.
+        return None if "\ufffd" in text else list(text.encode())
 
     def completion_logprobs(out: StreamOutput, offset: int) -> dict:
         tokens = out.token_ids
@@ -195,16 +222,20 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
             text = token_text(token)
             ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
             content.append({"token": text, "logprob": lp.get(token),
-                            "bytes": list(text.encode()),
+                            "bytes": token_bytes(text),
                             "top_logprobs": [{"token": token_text(k), "logprob": v,
-                                              "bytes": list(token_text(k).encode())}
+                                              "bytes": token_bytes(token_text(k))}
                                              for k, v in ranked]})
         return {"content": content}
+
+    def error_body(out: StreamOutput) -> dict:
+        return {"error": {"message": out.error or "the request failed", "type": "InternalError",
+                          "param": None, "code": 500}}
 
     def sse(data: dict | str) -> str:
         return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=protected)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body)
         prompts = body.prompts()
@@ -225,6 +256,9 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
             async def events() -> AsyncIterator[str]:
                 generated, offsets, started = 0, {}, set()
                 async for job, out in collect(jobs, outputs, request):
+                    if out.finish_reason == "error":
+                        yield sse(error_body(out))
+                        break
                     index = job.first_choice + out.index
                     text = out.text
                     if index not in started:
@@ -250,6 +284,9 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         outs: dict[int, list[StreamOutput]] = {}
         async for job, out in collect(jobs, outputs, request):
             outs.setdefault(job.first_choice + out.index, []).append(out)
+        failed = _failure(outs)
+        if failed is not None:
+            return JSONResponse(error_body(failed), status_code=500)
         for index, pieces in sorted(outs.items()):
             merged = _merge(pieces)
             choices[index] = {
@@ -261,19 +298,17 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         return JSONResponse({**head, "choices": list(choices.values()),
                              "usage": usage(jobs, generated)})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=protected)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body)
         if chat is None or tokenizer is None:
             raise ApiError("this model has no chat template: use /v1/completions",
                            param="messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = chat(messages, body.add_generation_prompt)
-        except ValueError as error:
-            raise ApiError(str(error), param="messages") from error
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        budget = body.token_budget or max(1, llm.max_model_len - len(ids))
+        ids = render_chat(messages, body.add_generation_prompt)
+        # By default, as many tokens as the model's length and the whole cache allow.
+        room = min(llm.max_model_len, capacity + 1) - len(ids)
+        budget = body.token_budget or max(1, room)
         try:
             params = body.sampling_params(budget, body.num_logprobs)
         except (ValueError, TypeError) as error:
@@ -293,7 +328,10 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
                          "logprobs": None, "finish_reason": None}], "usage": None})
                 async for _, out in collect(jobs, outputs, request):
                     generated += len(out.token_ids)
-                    if not (out.text or out.finish_reason):
+                    if out.finish_reason == "error":
+                        yield sse(error_body(out))
+                        break
+                    if not (out.text or out.finish_reason or (body.logprobs and out.token_ids)):
                         continue
                     delta = {"content": out.text} if out.text else {}
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [
@@ -309,6 +347,9 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         outs: dict[int, list[StreamOutput]] = {}
         async for _, out in collect(jobs, outputs, request):
             outs.setdefault(out.index, []).append(out)
+        failed = _failure(outs)
+        if failed is not None:
+            return JSONResponse(error_body(failed), status_code=500)
         choices = []
         for index, pieces in sorted(outs.items()):
             merged = _merge(pieces)
@@ -320,7 +361,7 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": usage(jobs, generated)})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=protected)
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "pagedmla",
@@ -340,7 +381,7 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=protected)
     async def tokenize(body: TokenizeRequest) -> dict:
         if tokenizer is None:
             raise ApiError("this model has no tokenizer")
@@ -349,17 +390,17 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         if body.messages is not None:
             if chat is None:
                 raise ApiError("this model has no chat template", param="messages")
-            try:
-                text = chat([m.model_dump(exclude_none=True) for m in body.messages],
-                            body.add_generation_prompt)
-            except ValueError as error:
-                raise ApiError(str(error), param="messages") from error
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = render_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                              body.add_generation_prompt)
         else:
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            try:
+                ids = tokenizer.encode(body.prompt or "",
+                                       add_special_tokens=body.add_special_tokens)
+            except UnicodeError as error:
+                raise ApiError(str(error), param="prompt") from error
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=protected)
     async def detokenize(body: DetokenizeRequest) -> dict:
         if tokenizer is None:
             raise ApiError("this model has no tokenizer")
@@ -370,6 +411,11 @@ def build_app(engine: OnlineEngine, model_name: str, chat: ChatRenderer | None =
         return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
+
+
+def _failure(outs: dict[int, list[StreamOutput]]) -> StreamOutput | None:
+    """A completion's output that ended it with finish_reason "error", if any."""
+    return next((p[-1] for p in outs.values() if p[-1].finish_reason == "error"), None)
 
 
 def _merge(pieces: list[StreamOutput]) -> StreamOutput:
