@@ -6,8 +6,9 @@ With the shipped weights: "tiny" loads them; the engine matches Hugging Face
 logprobs within 2e-3, teacher-forced as in test_engine_parity.py); greedy decoding from
 the beginnings of three README paragraphs gives the README's next 40 bytes, as read from
 README.md now (the text trained on, never the model's own output), on the reference and
-Triton backends (Triton's interpreter on the CPU), pages of 16 and 64 tokens, chunked
-prefill, with and without prefix caching; and the chat template, as transformers renders
+Triton backends (Triton's interpreter on the CPU), 16-bit and fp8 caches, CUDA graphs
+(on a GPU), pages of 16 and 64 tokens, chunked prefill, with and without prefix caching;
+and the chat template, as transformers renders
 it, gets the reply trained for its question. Where the package holds no trained weights
 these are skipped; "tiny" then falls back to the random model of `tiny_config()`, which
 the tests at the top check with a stand-in directory.
@@ -146,17 +147,22 @@ def test_engine_matches_transformers():
     assert worst <= LOGPROB_TOL, f"logprob error {worst:.2e} > {LOGPROB_TOL}"
 
 
-def _engine(id_: str, backend: str, block_size: int, caching: bool):
+def _engine(id_: str, backend: str, block_size: int, caching: bool, cache: str = "auto",
+            eager: bool = True):
     budget = 24 if caching else 4096  # 24: every prompt is prefilled in chunks
-    return pytest.param(backend, block_size, budget, caching, id=id_)
+    return pytest.param(backend, block_size, budget, caching, cache, eager, id=id_)
 
 
 ENGINES = [
     *(_engine(f"reference-block{block}-{'chunked-cached' if caching else 'whole'}",
               "reference", block, caching)
       for block in (16, 64) for caching in (True, False)),
+    _engine("reference-block16-chunked-cached-fp8", "reference", 16, True, "fp8"),
     _engine("triton-block16-chunked-cached", "triton", 16, True),
+    _engine("triton-block16-chunked-cached-fp8", "triton", 16, True, "fp8"),
     _engine("triton-block64-whole", "triton", 64, False),
+    # CUDA graphs (decode steps and piecewise) where there is a GPU; eager elsewhere.
+    _engine("triton-block64-chunked-graphs", "triton", 64, True, eager=False),
 ]
 # Triton's interpreter takes about a second a step on the CPU: there the Triton engines
 # continue the shortest prompt by 8 bytes.
@@ -164,8 +170,9 @@ INTERPRETED = not torch.cuda.is_available()
 
 
 @trained
-@pytest.mark.parametrize(("backend", "block_size", "budget", "caching"), ENGINES)
-def test_greedy_continues_the_readme(backend, block_size, budget, caching):
+@pytest.mark.parametrize(("backend", "block_size", "budget", "caching", "cache", "eager"),
+                         ENGINES)
+def test_greedy_continues_the_readme(backend, block_size, budget, caching, cache, eager):
     """Prompts of 65-88 tokens: with a budget of 24 each is prefilled in chunks; with
     prefix caching a second call finds their first full pages cached."""
     cases, device = _memorized(), "cpu"
@@ -178,7 +185,8 @@ def test_greedy_continues_the_readme(backend, block_size, budget, caching):
     params = SamplingParams(temperature=0.0, max_tokens=max(len(e) for _, e in cases))
     llm = LLM("tiny", dtype=torch.float32, device=device, backend=backend,
               block_size=block_size, max_num_batched_tokens=budget,
-              enable_prefix_caching=caching, num_kv_blocks=64, enforce_eager=True)
+              enable_prefix_caching=caching, num_kv_blocks=64, enforce_eager=eager,
+              kv_cache_dtype=cache)
     for _ in range(2 if caching else 1):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for (prompt, expected), out in zip(cases, outputs, strict=True):
