@@ -348,3 +348,29 @@ def test_a_failed_call_leaves_the_workers_consistent(monkeypatch: pytest.MonkeyP
 
 def _broken_send(*args, **kwargs) -> None:
     raise ConnectionError("injected")
+
+
+def test_online_engine_under_tensor_parallelism_matches_one_rank() -> None:
+    """Requests added while others run, through an OnlineEngine over spawned TP 2
+    workers: the tokens of offline generate on one rank."""
+    from pagedmla.engine.online import OnlineEngine
+
+    prompts = [[3 + (7 * i + j) % 200 for j in range(5 + 6 * i)] for i in range(4)]
+    want = [o.outputs[0].token_ids
+            for o in LLM("tiny", **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM("tiny", tensor_parallel_size=2, **OPTIONS)
+    pids = list(llm.parallel.workers.pids)
+    with OnlineEngine(llm) as engine:
+        got = [[t for out in engine.stream(p, GREEDY) for t in out.token_ids]
+               for p in prompts[:2]]
+        outs: dict[int, list] = {2: [], 3: []}
+        ids = [engine.add(prompts[i], GREEDY, outs[i].append) for i in (2, 3)]
+        assert len(ids) == 2
+        deadline = time.time() + 120
+        while not all(o and o[-1].finish_reason for o in outs.values()):
+            assert time.time() < deadline
+            time.sleep(0.05)
+    got += [[t for out in outs[i] for t in out.token_ids] for i in (2, 3)]
+    assert got == want
+    llm.close()
+    assert all(_gone(pid) for pid in pids)
