@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,18 +21,13 @@ import pytest
 
 from pagedmla.models.tiny import write_tiny_checkpoint
 from pagedmla.tokenizer import ByteTokenizer
+from tests.dist_helpers import free_port
 
 MODEL = "tiny-chat"
 KEY = "test-key"
 # A chat template in the form transformers renders (jinja2, trim_blocks, lstrip_blocks).
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(root: Path) -> Path:
@@ -47,7 +41,7 @@ def _checkpoint(root: Path) -> Path:
 
 class Server:
     def __init__(self, checkpoint: Path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(

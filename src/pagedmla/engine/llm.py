@@ -361,8 +361,11 @@ class LLM:
                     for seq in loop.advance()[0]:
                         tracker.emit(seq)
         except BaseException:
-            self._abort([seq for _, seq in requests]
-                        + [c.seq for request in tracked for c in request.completions])
+            # Every sequence once: the requests' first ones, admitted or not, and the
+            # other completions of those admitted.
+            seqs = {seq.seq_id: seq for _, seq in requests}
+            seqs.update((c.seq.seq_id, c.seq) for request in tracked for c in request.completions)
+            self._abort(list(seqs.values()))
             raise
         self.stats.preemptions = self.scheduler.num_preemptions - preemptions
         return [RequestOutput(request.request_id, text, seq.token_ids[:seq.num_prompt_tokens],
