@@ -62,7 +62,8 @@ class OnlineEngine:
         """Queue one request; returns its id. The prompt (a str or token ids) and the
         params are checked first: a TypeError or ValueError leaves nothing queued.
         on_output(StreamOutput) is called on the engine thread for every piece of every
-        completion; it must return quickly and not raise."""
+        completion; it must return quickly (an exception it raises is logged and loses
+        that output only)."""
         with self._cv:
             if self._closing or self.error is not None:
                 raise RuntimeError("the engine is closed" if self._closing else
