@@ -6,7 +6,8 @@ given after `--` (the offline LLM gets the same ones). Each request streams a co
 of fixed prompt and output lengths (random token ids, greedy, EOS ignored) over
 `/v1/completions`; time to first token (TTFT) and inter-token latency (ITL) are taken
 from the arrival of each streamed chunk. Offline, all requests are queued at once:
-its throughput is what the server's is compared with.
+its throughput is what the server's is compared with, and its time to first token for
+one request at a time (an idle engine, `max_tokens=1`) is what the server adds to.
 
     python -m benchmarks.bench_serve --rates 1 4 16 inf --requests 200 \\
         --input-len 512 --output-len 128 --out serve.json -- --model CKPT --device cuda
@@ -31,6 +32,8 @@ import torch
 
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine.args import EngineArgs
+
+TTFT_PROMPTS = 16  # offline single-request time to first token: median over these
 
 
 def _free_port() -> int:
@@ -89,17 +92,24 @@ def _offline(engine_flags: list[str], prompts: list[list[int]], output_len: int)
     EngineArgs.add_cli_args(parser)
     llm = LLM(EngineArgs.from_cli_args(parser.parse_args(engine_flags)))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same kernels as timed
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ttft = []
+    for prompt in prompts[:TTFT_PROMPTS]:  # one at a time: an idle engine's first token
+        begin = time.perf_counter()
+        llm.generate([prompt], first, use_tqdm=False)
+        ttft.append((time.perf_counter() - begin) * 1e3)
     llm.close()
     del llm  # give the GPU's memory back for the server's cache
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed,
-            "output_tokens_per_s": len(prompts) * output_len / elapsed}
+            "output_tokens_per_s": len(prompts) * output_len / elapsed,
+            "ttft_ms_p50": _percentile(ttft, 0.5)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                 if server.poll() is not None:
                     raise SystemExit("the server exited") from None
                 time.sleep(0.5)
-        asyncio.run(_load(url, "bench", prompts[:4], args.output_len, math.inf, 0))  # warm-up
+        asyncio.run(_load(url, "bench", prompts, args.output_len, math.inf, 0))  # warm-up
         rows = [asyncio.run(_load(url, "bench", prompts, args.output_len, rate, args.seed))
                 for rate in args.rates]
     finally:
@@ -140,17 +150,21 @@ def main(argv: list[str] | None = None) -> None:
         server.wait(60)
     for row in rows:
         row["vs_offline"] = row["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        row["ttft_added_ms"] = row["ttft_ms_p50"] - offline["ttft_ms_p50"]
     result = {"args": vars(args), "engine_flags": engine_flags, "offline": offline,
               "online": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"offline: {offline['requests_per_s']:.2f} req/s, "
-          f"{offline['output_tokens_per_s']:.0f} output tok/s")
-    print("| rate | req/s | out tok/s | vs offline | TTFT p50 | p99 | ITL p50 | p99 (ms) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"{offline['output_tokens_per_s']:.0f} output tok/s, "
+          f"single-request TTFT {offline['ttft_ms_p50']:.1f} ms")
+    print("| rate | req/s | out tok/s | vs offline | TTFT p50 | p99 | added p50 "
+          "| ITL p50 | p99 (ms) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['rate']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
               f"{r['vs_offline']:.2f} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
+              f"{r['ttft_added_ms']:.1f} | "
               f"{r['itl_ms_p50']:.2f} | {r['itl_ms_p99']:.2f} |")
 
 

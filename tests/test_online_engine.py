@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedmla import LLM, SamplingParams
 from pagedmla.engine.detokenize import IncrementalDetokenizer, find_stop
@@ -18,15 +19,24 @@ from pagedmla.engine.online import OnlineEngine
 from pagedmla.engine.outputs import EngineStats
 from pagedmla.tokenizer import ByteTokenizer, FileTokenizer
 
-OPTIONS = {"device": "cpu", "block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4,
+OPTIONS = {"block_size": 16, "num_kv_blocks": 64, "max_num_seqs": 4,
            "max_num_batched_tokens": 32}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+_GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module", params=[
+    ("cpu", False), ("cpu", True),
+    pytest.param(("cuda", False), marks=_GPU), pytest.param(("cuda", True), marks=_GPU)],
+    ids=["sync", "async", "cuda-sync", "cuda-async"])
 def llms(request) -> tuple[LLM, LLM]:
-    """An LLM for the online engine and one for offline generate, same model."""
-    options = {**OPTIONS, "async_scheduling": request.param}
+    """An LLM for the online engine and one for offline generate, same model (on the
+    GPU: float32, CUDA graphs)."""
+    device, ahead = request.param
+    options = {**OPTIONS, "device": device, "dtype": torch.float32, "async_scheduling": ahead}
     return LLM("tiny", **options), LLM("tiny", **options)
 
 

@@ -291,15 +291,21 @@ def test_new_fields_accept_their_bounds() -> None:
 
 # -- the engine --
 
-OPTIONS = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4,
-               max_num_batched_tokens=16, enable_prefix_caching=False)
+OPTIONS = dict(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16,
+               enable_prefix_caching=False)
+# On the GPU: the penalties' device path (pinned copies, scatters) and CUDA graphs.
+DEVICES = {"cpu": dict(device="cpu", block_size=4),
+           "cuda": dict(device="cuda", block_size=16, dtype=torch.float32)}
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory) -> dict[bool, LLM]:
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def engines(request, tmp_path_factory) -> dict[bool, LLM]:
     # The random tiny model: its greedy outputs loop, which the tests below need.
     path = str(write_tiny_checkpoint(tmp_path_factory.mktemp("random_tiny")))
-    return {ahead: LLM(path, async_scheduling=ahead, **OPTIONS) for ahead in (False, True)}
+    options = {**OPTIONS, **DEVICES[request.param]}
+    return {ahead: LLM(path, async_scheduling=ahead, **options) for ahead in (False, True)}
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:

@@ -46,8 +46,9 @@ class EngineArgs:
     plans each step while the device still runs the one before.
     Parallelism: the tensor parallel ranks, the decode context parallel ranks among
     them, and how a sequence's tokens are dealt to those.
-    Execution: the kernel backend, CUDA graphs, cost-based routing of short extends to
-    the absorbed MQA path, and the random seed.
+    Execution: the kernel backend, CUDA graphs, the start-up warm-up and where compiled
+    kernels are kept, cost-based routing of short extends to the absorbed MQA path, and
+    the random seed.
 
     Construction checks every field (`validate`): a TypeError or ValueError names the
     argument, and a dtype given by name becomes the torch.dtype.
@@ -105,6 +106,12 @@ class EngineArgs:
     backend: str = field(default="auto", metadata={
         "help": "kernels: auto (the fastest available), reference or triton"})
     enforce_eager: bool = field(default=False, metadata={"help": "never replay CUDA graphs"})
+    warmup: bool = field(default=True, metadata={
+        "help": "at start-up, build every kernel variant the configuration can reach, so "
+        "that no request waits for a compilation (compiling backends on CUDA)"})
+    compile_cache_dir: str | None = field(default=None, metadata={
+        "help": "where compiled kernels are kept across processes (TRITON_CACHE_DIR; "
+        "default: Triton's, ~/.triton/cache)"})
     route_by_cost: bool = field(default=True, metadata={
         "help": "send short extends to the absorbed MQA path where the cost model "
         "(pagedmla.routing) predicts it cheaper"})
@@ -160,8 +167,13 @@ class EngineArgs:
             raise ValueError(f"backend must be one of {available_backends()}, got "
                              f"{self.backend!r}")
         for name in ("dequantize_weights", "enable_prefix_caching", "async_scheduling",
-                     "enforce_eager", "route_by_cost"):
+                     "enforce_eager", "warmup", "route_by_cost"):
             boolean(name, getattr(self, name))
+        if self.compile_cache_dir is not None:
+            if not isinstance(self.compile_cache_dir, (str, os.PathLike)):
+                raise TypeError("compile_cache_dir must be a directory path, got "
+                                f"{self.compile_cache_dir!r}")
+            self.compile_cache_dir = os.fspath(self.compile_cache_dir)
         # torch.Generator.manual_seed's range.
         self.seed = integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 

@@ -70,6 +70,14 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every cached prefix: the manager is as new. No sequence may hold a
+        block (ValueError otherwise)."""
+        if any(self._ref_counts):
+            raise ValueError("reset() needs every block free: sequences still hold some")
+        num_blocks = self.num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))  # unreferenced, not cached
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; LRU first
         self._cached: dict[int, _CachedContent] = {}  # block id -> registered content

@@ -47,7 +47,9 @@ from pagedmla.engine.sampler import TokenHistory, draw
 from pagedmla.engine.sampling_params import SamplingParams
 from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
+from pagedmla.engine.startup import CompileLog, StartupReport, use_compile_cache
 from pagedmla.engine.step_loop import LaunchedStep, StepLoop
+from pagedmla.engine.warmup import warm_up
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.registry import get_backend
@@ -108,6 +110,22 @@ class LLM:
         checked (`EngineArgs.validate`) before anything is built."""
         args = engine_args(model, kwargs)
         self.args = args
+        self.startup = StartupReport(compile_cache_dir=use_compile_cache(args.compile_cache_dir))
+        with CompileLog() as built:
+            self._build(args)
+            if self.parallel is not None:
+                self.parallel.ready()
+            if self._warms_up():
+                with self.startup.phase("warmup"):
+                    warm_up(self)
+        if built.supported:
+            self.startup.kernels_built = sum(built.kernels.values())
+        if self.parallel is None or self.parallel.is_driver:
+            logger.info("%s", self.startup)
+
+    def _build(self, args: EngineArgs) -> None:
+        """Load the model, allocate the cache, build the scheduler and the runner, and
+        capture the CUDA graphs."""
         device = engine_device(args.device)
         dtype = args.dtype
         if dtype is None:
@@ -173,6 +191,8 @@ class LLM:
                        plan.weight_bytes, workspace, blocks * block_bytes, blocks)
         self.model = load_planned(plan, device)
         load_seconds = time.perf_counter() - start
+        self.startup.phases["load"] = load_seconds
+        kv_start = time.perf_counter()
         num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = self._auto_num_blocks(block_size, block_bytes, workspace,
@@ -185,6 +205,7 @@ class LLM:
             for _ in range(self.config.num_hidden_layers)
         ]
         attach_index_keys(self.caches, self.config, dtype, index_fp8)
+        self.startup.phases["kv_cache"] = time.perf_counter() - kv_start
         # Under decode context parallelism a block id stands for block_size rows on each
         # rank of the group: the scheduler sees the group's combined capacity.
         self.block_manager = BlockManager(
@@ -212,15 +233,15 @@ class LLM:
             else ModelRunner(*parts)
         )
         if self._use_graphs(args.enforce_eager, args.backend):
-            self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens, block_size)
+            with self.startup.phase("graphs"):
+                self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens,
+                                     block_size)
         self.async_scheduling = args.async_scheduling
         self.generator = torch.Generator(device=device).manual_seed(args.seed)
         self._last_done = 0.0  # when the last step completed (perf_counter)
         self._next_id = 0
         self._lock = threading.Lock()  # one generate() at a time
         self.stats = EngineStats()
-        if self.parallel is not None:
-            self.parallel.ready()
 
     def _report_memory(self, weight_bytes: int, cache_bytes: int, load_seconds: float,
                        bytes_read: int, cache_format: str) -> None:
@@ -238,6 +259,20 @@ class LLM:
         if rank == 0:
             for report in self.memory_per_rank:
                 logger.info("%s", report)
+
+    def reset_after_warmup(self) -> None:
+        """Start over as new after the warm-up's requests: an empty prefix cache, request
+        ids from 0, fresh statistics and the sampling generator at its seed."""
+        self.block_manager.reset()
+        self.scheduler.num_preemptions = 0
+        self.generator.manual_seed(self.args.seed)
+        self._next_id = 0
+        self.stats = EngineStats()
+
+    def _warms_up(self) -> bool:
+        """Kernels compile on first use only on CUDA (`warm_up`: every rank builds its
+        decode kernels, and the driver runs requests whose steps the workers run too)."""
+        return self.args.warmup and self.device.type == "cuda"
 
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
         """Decode steps replay CUDA graphs when the kernels allow capture.
