@@ -5,7 +5,7 @@ Triton and Gluon kernels compile on the first launch of each specialization. The
 mark their batch-dependent integers (token and request counts, strides that follow them)
 `do_not_specialize`, and their views into packed metadata
 `do_not_specialize_on_alignment` (but for the fp8 GEMM's row count and the split-KV
-combine, whose vector loads gain from them), so a specialization is
+combine's partial strides, whose vector loads gain from them), so a specialization is
 fixed by the configuration (head count, page size, cache dtype, model widths) and by a
 few ladders of sizes that the kernels' launch code picks from: token counts (the GEMM and
 MoE tile configs, the prefill head groups), request counts (the split planner's blocks),
@@ -96,9 +96,10 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     # Extends after a cached prefix of each context length (the split-KV splits by the
     # longest context), with short suffixes (MQA) and long ones (MHA over the context).
     if prefix_caching:
-        for context in _pow2_ladder(64, longest - max(SUFFIXES)):
+        for context in _pow2_ladder(64, longest - 1):
+            suffixes = [n for n in SUFFIXES if context + n <= longest]
             cases.append(WarmupCase(f"prefix {context}", [0], max_tokens=1, prefix=context))
-            cases.append(WarmupCase(f"extends {context}", list(SUFFIXES), prefix=context))
+            cases.append(WarmupCase(f"extends {context}", suffixes, prefix=context))
     # Sampling: temperature, top-k / top-p, penalties, seeds and logprobs.
     sampled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5,
                              frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=2,
