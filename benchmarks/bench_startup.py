@@ -18,7 +18,7 @@ Compiles: Triton/Gluon kernel compilations (Triton's `jit_cache_hook`, so loads 
 on-disk cache count too) during `LLM(...)` and during each run; the kernels compiled
 during a run are listed in the JSON. `--fail-on-compile` exits 1 if any run compiled.
 
-    python -m benchmarks.bench_startup --out startup.json
+    python -m benchmarks.bench_startup --compile-cache-dir /tmp/kernels --out startup.json
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def workloads(vocab: int) -> dict[str, Callable[[LLM, random.Random], None]]:
 
 
 def measure(checkpoint: str, cache: str, runs: int, names: list[str], log: CompileLog,
-            vocab: int, warmup: bool) -> dict:
+            vocab: int, warmup: bool, compile_cache_dir: str | None) -> dict:
     log.take()
     start = time.perf_counter()
-    llm = LLM(checkpoint, kv_cache_dtype=cache, warmup=warmup)
+    llm = LLM(checkpoint, kv_cache_dtype=cache, warmup=warmup,
+              compile_cache_dir=compile_cache_dir)
     result: dict[str, Any] = {"start_s": time.perf_counter() - start,
                               "start_compiles": sum(log.take().values()),
                               "phases": llm.startup.phases, "workloads": {}}
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=["batch", "decode", "chunked", "prefix", "sampled"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-warmup", action="store_true", help="LLM(warmup=False)")
+    parser.add_argument("--compile-cache-dir", help="LLM(compile_cache_dir=...): an empty "
+                        "directory measures a cold start, a filled one a warm start")
     parser.add_argument("--fail-on-compile", action="store_true")
     parser.add_argument("--out", default="startup.json")
     args = parser.parse_args(argv)
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         write_tiny_checkpoint(directory, config=config)
         for cache in args.caches:
             results[cache] = measure(directory, cache, args.runs, args.workloads, log,
-                                     config["vocab_size"], not args.no_warmup)
+                                     config["vocab_size"], not args.no_warmup,
+                                     args.compile_cache_dir)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print("| cache | workload | first s | steady s | ratio | compiles (first / later) |")

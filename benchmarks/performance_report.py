@@ -25,6 +25,7 @@ from pathlib import Path
 
 from benchmarks import performance_fp8 as fp8
 from benchmarks import performance_sparse as sparse
+from benchmarks import performance_startup as startup
 from benchmarks import performance_text as text
 from benchmarks.performance_tables import (
     Results,
@@ -67,6 +68,7 @@ FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h100.json", "moe_fp8_h100.json", "v3_la
 MEMORY_PLAN = "memory_plan.json"
 SPARSE_DECODE, SPARSE_PREFILL = "sparse_decode_h100.json", "sparse_prefill_h100.json"
 INDEXER = "indexer_h100.json"
+STARTUP_COLD, STARTUP_WARM = "startup_cold_h100.json", "startup_warm_h100.json"
 
 
 # -- targets -----------------------------------------------------------------------------
@@ -234,6 +236,22 @@ TARGETS = [
 ]
 
 
+def _first_call(res: Results) -> tuple[str, str]:
+    measured, passes = startup.first_call(res.load(STARTUP_COLD), res.load(STARTUP_WARM))
+    return measured, verdict(passes)
+
+
+TARGETS += [
+    Target(f"the first `generate` after `LLM(...)`: ≤ {startup.FIRST_CALL_RATIO}x the same "
+           "call later (prompts, decodes, chunked prefill, prefix hits; bf16 and fp8 caches)",
+           _first_call, text.LIMITS["first_call"], STARTUP_WARM),
+    Target(f"start-up with the compiled kernels on disk (8 layers, V2-Lite attention): "
+           f"≤ {startup.WARM_START_S:.0f} s on an H200",
+           _measured(STARTUP_WARM, startup.warm_start), text.LIMITS["warm_start"],
+           STARTUP_WARM),
+]
+
+
 def targets_table(res: Results) -> list[str]:
     rows = []
     for target in TARGETS:
@@ -282,6 +300,15 @@ def sparse_section(res: Results) -> list[str]:
     return ["## Sparse attention (DeepSeek-V3.2, GLM-5)", text.SPARSE, "", *out]
 
 
+def startup_section(res: Results) -> list[str]:
+    if not (res.has(STARTUP_COLD) and res.has(STARTUP_WARM)):
+        return []
+    cold, warm = res.load(STARTUP_COLD), res.load(STARTUP_WARM)
+    return ["## Start-up", res.source(STARTUP_COLD), res.source(STARTUP_WARM), "",
+            text.STARTUP, "", *startup.phases_table(cold, warm), "",
+            *startup.first_call_table(cold, warm)]
+
+
 def render_performance(res: Results) -> str:
     kernels = res.load("kernels_h200.json")
     parallel = engine_table([res.load("engine_tp2_2xh200.json"),
@@ -319,6 +346,7 @@ def render_performance(res: Results) -> str:
         *experts_table(res.load("moe_h200.json")),
         *fp8_sections(res),
         *sparse_section(res),
+        *startup_section(res),
         "## MQA or MHA", res.source("routing_h200.json"), "", text.ROUTING, "",
         *routing_lines(res.load("routing_h200.json")),
         "## CPU", text.CPU,

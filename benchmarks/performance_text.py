@@ -181,9 +181,19 @@ CPU = """On the CPU the reference backend runs everything, and the tests run the
 kernels in Triton's interpreter: both are for correctness and CI, not measured here.
 `pagedmla generate --device cpu` and `pagedmla check` print their own times."""
 
+STARTUP = """From an empty compile cache, then from the one it filled (~70 MB); `bench_engine`'s 8
+layers of V2-Lite attention, bf16. Phases: design.md, Start-up. Each workload runs twice on
+fresh random prompts, first right after `LLM(...)`; variants: built or loaded from disk."""
+
 # What bounds the kernel or the engine where a target is missed: one line each, the
 # evidence being the kernels' profiles and same-run A/Bs.
 LIMITS = {
+    "first_call": "The split-KV planner and combine of decode rows that run eagerly (steps "
+    "past the largest piecewise graph, MQA extends) have a variant per request-count "
+    "block, split count and kernel, which the warm-up does not walk yet: their first use "
+    "builds them (2-4 variants, seconds each when compiled, 0.1 s when loaded).",
+    "warm_start": "Measured on an H100: loading the weights (4.1 s) and capturing the "
+    "graphs (3.7 s) dominate; the warm-up takes 1.3 s.",
     "memory_bound": "A one-wave grid pays ~22 µs of fixed cost (the write-back of the "
     "wipe's dirty lines, the slowest SMs, the combine, each program's prologue), which "
     "weighs on short grids; no plain read of as many bytes reaches 90% either (column "

@@ -1,0 +1,59 @@
+"""The start-up tables of docs/PERFORMANCE.md (`bench_startup`, with an empty and then a
+filled on-disk compile cache) and the measurements behind their targets.
+
+As in `performance_sparse`: table functions return markdown lines, target functions the
+measured text and, per row in scope, whether it meets the bound. Standard library only.
+"""
+
+from __future__ import annotations
+
+from benchmarks.performance_tables import num, table, times
+
+FIRST_CALL_RATIO = 1.2  # the first generate after LLM(...) over the same call later
+WARM_START_S = 15.0  # LLM(...) with the compiled kernels on disk
+
+
+def _runs(result: dict) -> list[tuple[str, str, dict]]:
+    """(cache, workload, its runs) of one bench_startup result."""
+    return [(cache, name, run) for cache in result["args"]["caches"]
+            for name, run in result[cache]["workloads"].items()]
+
+
+def phases_table(cold: dict, warm: dict) -> list[str]:
+    rows = []
+    for label, result in (("empty", cold), ("filled", warm)):
+        for cache in result["args"]["caches"]:
+            r = result[cache]
+            rows.append([label, cache, num(r["start_s"]),
+                         *(num(r["phases"].get(p)) for p in ("load", "graphs", "warmup")),
+                         str(r["start_compiles"])])
+    return table(["compile cache", "KV cache", "LLM(...) s", "load", "graphs", "warm-up",
+                  "kernel variants"], rows, left=2)
+
+
+def first_call_table(cold: dict, warm: dict) -> list[str]:
+    rows = []
+    for label, result in (("empty", cold), ("filled", warm)):
+        for cache, name, run in _runs(result):
+            built = [sum(c.values()) for c in run["compiled"]]
+            names = sorted({k for c in run["compiled"] for k in c})
+            rows.append([label, cache, name, num(run["first_s"], 3), num(run["steady_s"], 3),
+                         times(run["ratio"]), f"{built[0]} / {sum(built[1:])}",
+                         ", ".join(f"`{n}`" for n in names)])
+    return table(["compile cache", "KV cache", "workload", "first s", "later s", "ratio",
+                  "variants built (first / later)", "kernels"], rows, left=3)
+
+
+def first_call(cold: dict, warm: dict) -> tuple[str, list[bool]]:
+    ratios = [(label, run["ratio"]) for label, result in (("empty", cold), ("filled", warm))
+              for _, _, run in _runs(result)]
+    passes = [ratio <= FIRST_CALL_RATIO for _, ratio in ratios]
+    worst = {label: max(r for lab, r in ratios if lab == label) for label, _ in ratios}
+    return (f"worst {times(worst['empty'])} (empty compile cache), "
+            f"{times(worst['filled'])} (filled)"), passes
+
+
+def warm_start(warm: dict) -> tuple[str, list[bool]]:
+    seconds = [warm[cache]["start_s"] for cache in warm["args"]["caches"]]
+    return (f"{num(max(seconds))} s on {warm['device']}",
+            [s <= WARM_START_S for s in seconds])
