@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,19 @@ def test_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 2 and "continuation" in out
+
+
+def test_check_reports_what_an_fp8_cache_clips(capsys: pytest.CaptureFixture[str]) -> None:
+    """The batch's latents are N(0, 1) draws, largest about 4.8: scale 1 keeps them all;
+    scale 0.004 (a range of 448 x 0.004 = 1.8) clips those past 1.8, about 7% of them."""
+    assert main(["check", "--kv-cache-dtype", "fp8"]) == 0
+    assert capsys.readouterr().out.count(", 0 values clipped (> 448 x scale)") == 2
+    assert main(["check", "--kv-cache-dtype", "fp8", "--kv-cache-scale", "0.004"]) == 0
+    found = re.findall(r"(\d+) values clipped \(> 448 x scale\) of (\d+)",
+                       capsys.readouterr().out)
+    assert len(found) == 2
+    for clipped, written in found:
+        assert 0.05 < int(clipped) / int(written) < 0.1
 
 
 def _python_m_pagedmla(*args: str) -> subprocess.CompletedProcess[str]:

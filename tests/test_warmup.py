@@ -18,7 +18,7 @@ from pagedmla import LLM, SamplingParams
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.startup import StartupReport, use_compile_cache
-from pagedmla.engine.warmup import warm_up, warmup_cases
+from pagedmla.engine.warmup import warmup_cases
 
 LIMITS = dict(max_model_len=320, max_num_seqs=6, max_num_batched_tokens=48)
 OPTIONS = dict(LIMITS, device="cpu", dtype=torch.float32, block_size=16, num_kv_blocks=200)
@@ -52,7 +52,7 @@ def _outputs(llm: LLM) -> list[tuple]:
 
 def test_an_engine_after_the_warmup_answers_as_a_fresh_one() -> None:
     fresh, warmed = LLM("tiny", **OPTIONS), LLM("tiny", **OPTIONS)
-    warm_up(warmed, show_progress=False)
+    warmed.warm_up(show_progress=False)
     manager = warmed.block_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
     # Nothing the warm-up cached is found again: the same prefix is computed afresh.

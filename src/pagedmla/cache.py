@@ -165,6 +165,44 @@ class LatentKVCache:
         # slots, so prefix caching and preemption keep them with their blocks); set by the
         # engine (`ops.reference_indexer.allocate_indexer_cache`), else None.
         self.index_keys: torch.Tensor | None = None
+        # What the layer wrote since `track()` (None before): the largest |value| and, in
+        # an fp8 cache, the values that clipped, as device counters (no sync per write).
+        self._amax: torch.Tensor | None = None
+        self._clipped: torch.Tensor | None = None
+
+    def track(self) -> None:
+        """Start (over) counting what is written (`observe`): `amax` and `clipped`. Steps
+        that replay CUDA graphs captured before this are not counted (an engine's
+        graphs are captured at start-up: run it with enforce_eager to count them all)."""
+        self._amax = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._clipped = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def untrack(self) -> None:
+        self._amax = self._clipped = None
+
+    def observe(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+                ) -> None:
+        """With tracking on, fold rows about to be written (kv_c [T, L], k_pe [T, R], those
+        whose slot_mapping [T] is not -1) into the counters: in place on the device, so
+        CUDA graphs may capture it. A NaN written makes `amax` NaN."""
+        if self._amax is None or self._clipped is None:
+            return
+        rows = torch.cat([kv_c, k_pe], dim=-1).float().abs()
+        rows = torch.where((slot_mapping >= 0)[:, None], rows, 0.0)
+        torch.maximum(self._amax, rows.amax(), out=self._amax)
+        if self.is_fp8:
+            self._clipped += (rows > torch.finfo(FP8_DTYPE).max * self._scale).sum()
+
+    @property
+    def amax(self) -> float | None:
+        """The largest |value| written since `track()` (None without tracking)."""
+        return None if self._amax is None else float(self._amax)
+
+    @property
+    def clipped(self) -> int | None:
+        """Values written since `track()` beyond +-448 * scale, which an fp8 cache
+        saturates (None without tracking, or for a cache other than fp8)."""
+        return None if self._clipped is None or not self.is_fp8 else int(self._clipped)
 
     @property
     def scale(self) -> torch.Tensor:

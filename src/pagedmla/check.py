@@ -22,14 +22,18 @@ BLOCK_SIZE = 16
 WORKSPACE_ROWS = 256
 
 
-def run_check(device: str, dtype: torch.dtype, backend: str, repeats: int = 3) -> bool:
-    """Run the step for every shape; print the plan, the error and the time. True if all pass."""
+def run_check(device: str, dtype: torch.dtype, backend: str, repeats: int = 3,
+              kv_cache_dtype: str = "auto", kv_cache_scale: float = 1.0) -> bool:
+    """Run the step for every shape; print the plan, the error and the time, and for an fp8
+    cache (of scale kv_cache_scale) what its writes clipped. True if all pass."""
     tolerance = 2e-4 if dtype == torch.float32 else 2e-2
     ok = True
     for name, dims in SHAPES.items():
         batch = make_paged_batch(
-            dims, QUERY_LENS, SEQ_LENS, BLOCK_SIZE, dtype=dtype, device=device, seed=len(name)
+            dims, QUERY_LENS, SEQ_LENS, BLOCK_SIZE, dtype=dtype, device=device, seed=len(name),
+            kv_cache_dtype=kv_cache_dtype, fp8_scale=kv_cache_scale,
         )
+        batch.cache.track()
         builder = MLAMetadataBuilder(
             dims, block_size=BLOCK_SIZE, device=device, workspace_rows=WORKSPACE_ROWS,
             decode_threshold=DECODE_THRESHOLD,
@@ -37,6 +41,7 @@ def run_check(device: str, dtype: torch.dtype, backend: str, repeats: int = 3) -
         meta = builder.build(batch.spec)
         attn = MLAAttention(dims, batch.softmax_scale, batch.kv_b_proj, backend=backend)
         out = attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, meta)
+        clipped, amax = batch.cache.clipped, batch.cache.amax  # of the step's writes
         error = relative_error(out, batch.oracle(DECODE_THRESHOLD))
         times = []
         for _ in range(repeats):
@@ -55,6 +60,10 @@ def run_check(device: str, dtype: torch.dtype, backend: str, repeats: int = 3) -
         print(meta.describe())
         print(f"relative error vs float64 dense oracle: {error:.2e} "
               f"(tolerance {tolerance:.0e}) {'PASS' if passed else 'FAIL'}")
+        if clipped is not None:
+            print(f"fp8 cache, scale {float(batch.cache.scale):g}: largest |value| written "
+                  f"{amax:.3g}, {clipped} values clipped (> 448 x scale) of "
+                  f"{batch.kv_c.numel() + batch.k_pe.numel()}")
         print(f"time per step (build + forward, median of {repeats}): "
               f"{sorted(times)[len(times) // 2] * 1e3:.1f} ms")
     return ok

@@ -67,6 +67,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _real(text)
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def _probability(text: str) -> float:
     value = _real(text)
     if not 0.0 < value <= 1.0:
@@ -168,7 +175,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from pagedmla.check import run_check
 
-    passed = run_check(args.device or "cpu", DTYPES[args.dtype], args.backend)
+    passed = run_check(args.device or "cpu", DTYPES[args.dtype], args.backend,
+                       kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale)
     return 0 if passed else 1
 
 
@@ -218,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", type=_device, default=None, help="cpu (default) or cuda")
     check.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     check.add_argument("--backend", default="auto")
+    check.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                       help="fp8: the cache stores x / scale and the check reports clipping")
+    check.add_argument("--kv-cache-scale", type=_positive_float, default=1.0,
+                       help="the fp8 cache's scale (default: %(default)s)")
     check.set_defaults(func=_check)
     return parser
 

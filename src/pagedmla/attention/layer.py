@@ -93,6 +93,7 @@ class MLAAttention(nn.Module):
         d = self.dims
         T = q.shape[0]
         out = output_buffer(out, (T, d.num_heads * d.v_head_dim), q)
+        cache.observe(kv_c_normed, k_pe, meta.slot_mapping)
         ops.write_cache(cache.data, kv_c_normed, k_pe, meta.slot_mapping, cache.scale)
         if indices is not None:
             return sparse_mla(absorb_query(q, self.W_UK), indices, cache, self.W_UV,

@@ -19,7 +19,7 @@ import torch
 from pagedmla.cache import MODEL_DTYPES, resolve_cache_dtype
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.ops.registry import available_backends
-from pagedmla.validation import boolean, integer, real
+from pagedmla.validation import boolean, integer, positive_finite, real
 
 # Model dtypes by their names ("auto", also a name of `dtype`, is None: the device's
 # default).
@@ -34,12 +34,27 @@ def _parse_dtype(name: str) -> torch.dtype | None:
     return DTYPES.get(name)
 
 
+KV_SCALE_CHOICES = ("auto", "calibrate")
+
+
+def _parse_kv_scale(text: str) -> str | float:
+    """A --kv-cache-scale flag's value: auto, calibrate or a number."""
+    if text in KV_SCALE_CHOICES:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid kv-cache-scale {text!r}: auto, calibrate or a positive number") from None
+
+
 @dataclass
 class EngineArgs:
     """Everything an `LLM` is built from, in five groups.
 
     Model: the checkpoint (`model`), its dtype, the device and the longest sequence.
-    Cache: the paged latent KV cache: tokens per page, the entry dtype, how many pages
+    Cache: the paged latent KV cache: tokens per page, the entry dtype and an fp8 cache's
+    scales, how many pages
     (given, or sized from the GPU memory left), prefix caching, and the rows of the
     workspace that chunked prefill gathers cached context into.
     Scheduling: how many sequences and tokens one step may hold, and whether the host
@@ -77,6 +92,11 @@ class EngineArgs:
         "help": "cache entries: auto (the model dtype), fp8 or fp8_e4m3 (one per-tensor "
         "scale), or fp8_ds_mla (DeepSeek's 656-byte entries: e4m3 latent with a scale per "
         "128 values, bf16 rope; L = 512, R = 64, bf16 or float32 models)"})
+    kv_cache_scale: str | float = field(default="auto", metadata={
+        "help": "an fp8 cache's per-layer scales: auto (the checkpoint's k_scale / kv_scale "
+        "where it ships them, else calibrate), calibrate (one prefill of random tokens at "
+        "start-up), or one number for every layer",
+        "parse": _parse_kv_scale, "metavar": "{auto,calibrate,X}"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "cache pages per layer (default: what gpu_memory_utilization leaves; "
         "64Ki tokens on the CPU)"})
@@ -145,6 +165,13 @@ class EngineArgs:
             raise TypeError(f"kv_cache_dtype must be a str or a torch.dtype, got "
                             f"{self.kv_cache_dtype!r}")
         resolve_cache_dtype(self.kv_cache_dtype, self.dtype or torch.float32)
+        if isinstance(self.kv_cache_scale, str):
+            if self.kv_cache_scale not in KV_SCALE_CHOICES:
+                raise ValueError(f"kv_cache_scale must be auto, calibrate or a positive "
+                                 f"number, got {self.kv_cache_scale!r}")
+        else:
+            self.kv_cache_scale = positive_finite(
+                "kv_cache_scale", real("kv_cache_scale", self.kv_cache_scale))
         if self.num_kv_blocks is not None:  # block 0 is reserved: 2 at least
             self.num_kv_blocks = integer("num_kv_blocks", self.num_kv_blocks, minimum=2)
         self.gpu_memory_utilization = real("gpu_memory_utilization",

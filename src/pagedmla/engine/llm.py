@@ -31,6 +31,7 @@ from pagedmla.engine.inputs import (
     engine_device,
     prompt_list,
 )
+from pagedmla.engine.kv_scales import calibrate, set_kv_cache_scales
 from pagedmla.engine.memory import (
     MemoryReport,
     attach_index_keys,
@@ -49,7 +50,7 @@ from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.startup import CompileLog, StartupReport, use_compile_cache
 from pagedmla.engine.step_loop import LaunchedStep, StepLoop
-from pagedmla.engine.warmup import warm_up
+from pagedmla.engine.warmup import run_cases, warmup_cases
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.registry import get_backend
@@ -117,7 +118,7 @@ class LLM:
                 self.parallel.ready()
             if self._warms_up():
                 with self.startup.phase("warmup"):
-                    warm_up(self)
+                    self.warm_up()
         if built.supported:
             self.startup.kernels_built = sum(built.kernels.values())
         if self.parallel is None or self.parallel.is_driver:
@@ -232,6 +233,13 @@ class LLM:
             if self.parallel is not None and self.parallel.is_driver
             else ModelRunner(*parts)
         )
+        if any(cache.is_fp8 for cache in self.caches):
+            with self.startup.phase("kv_scales"):
+                ranks = None if self.parallel is None else self.parallel.state
+                logger.info("%s", set_kv_cache_scales(
+                    self.caches, args.kv_cache_scale, plan.checkpoint,
+                    lambda: calibrate(self.runner, self.caches, self.block_manager,
+                                      self.config.vocab_size, self.max_model_len, ranks)))
         if self._use_graphs(args.enforce_eager, args.backend):
             with self.startup.phase("graphs"):
                 self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens,
@@ -260,18 +268,26 @@ class LLM:
             for report in self.memory_per_rank:
                 logger.info("%s", report)
 
-    def reset_after_warmup(self) -> None:
-        """Start over as new after the warm-up's requests: an empty prefix cache, request
-        ids from 0, fresh statistics and the sampling generator at its seed."""
-        self.block_manager.reset()
+    def warm_up(self, show_progress: bool = True) -> None:
+        """Run `warmup_cases` for this engine (`engine/warmup.py`), then start over as new:
+        an empty prefix cache, request ids from 0, fresh statistics and the sampling
+        generator at its seed. On the driver: the workers build their kernels running
+        its steps."""
+        if self.parallel is not None and not self.parallel.is_driver:
+            return
+        manager = self.block_manager
+        cases = warmup_cases(self.max_model_len, self.args.max_num_seqs,
+                             self.args.max_num_batched_tokens, self.args.enable_prefix_caching,
+                             manager.num_usable_blocks * manager.block_size)
+        run_cases(self.generate, cases, self.config.vocab_size, show_progress)
+        manager.reset()
         self.scheduler.num_preemptions = 0
         self.generator.manual_seed(self.args.seed)
         self._next_id = 0
         self.stats = EngineStats()
 
     def _warms_up(self) -> bool:
-        """Kernels compile on first use only on CUDA (`warm_up`: every rank builds its
-        decode kernels, and the driver runs requests whose steps the workers run too)."""
+        """Kernels compile on first use only on CUDA."""
         return self.args.warmup and self.device.type == "cuda"
 
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:

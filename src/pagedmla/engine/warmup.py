@@ -17,22 +17,19 @@ and combine's variants of eager decode rows (in steps past the largest piecewise
 and MQA extends for every request count and longest context; the first step of such a
 shape still builds them (`benchmarks/bench_startup.py` counts them).
 
-Afterwards the engine is as if new: the prefix cache is emptied, the request ids, the
-statistics and the sampling generator start over (`LLM.reset_after_warmup`).
+`LLM.warm_up` runs them, then starts over as new: the prefix cache is emptied, the
+request ids, the statistics and the sampling generator start over.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
 from pagedmla.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedmla.engine.llm import LLM
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Suffixes after a cached prefix: short ones take the absorbed MQA route (1, 2, 3 and
@@ -108,25 +105,17 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     return cases
 
 
-def warm_up(llm: LLM, show_progress: bool = True) -> None:
-    """Run `warmup_cases` for this engine on random tokens (on the driver: the workers
-    build their kernels running its steps), then reset it."""
-    if llm.parallel is not None and not llm.parallel.is_driver:
-        return
-    args = llm.args
-    manager = llm.block_manager
-    cases = warmup_cases(llm.max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                         args.enable_prefix_caching,
-                         manager.num_usable_blocks * manager.block_size)
+def run_cases(generate: Callable[..., object], cases: list[WarmupCase], vocab_size: int,
+              show_progress: bool = True) -> None:
+    """Run each case through `generate` (`LLM.generate`) on random tokens below
+    vocab_size (seeded: the same every start)."""
     rng = random.Random(0)
-    vocab = llm.config.vocab_size
 
     def tokens(count: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(count)]
+        return [rng.randrange(vocab_size) for _ in range(count)]
 
     for case in tqdm(cases, desc="warm-up", disable=not show_progress):
         prefix = tokens(case.prefix)
         prompts = [prefix + tokens(length) for length in case.lengths]
         params = case.params or SamplingParams(max_tokens=case.max_tokens, **GREEDY)
-        llm.generate(prompts, params, use_tqdm=False)
-    llm.reset_after_warmup()
+        generate(prompts, params, use_tqdm=False)

@@ -47,6 +47,7 @@ from pagedmla.models.checkpoint import (
 )
 from pagedmla.models.config import DeepseekConfig
 from pagedmla.models.deepseek import DeepseekForCausalLM, ignored_weight, weight_index
+from pagedmla.models.kv_scales import is_kv_scale
 from pagedmla.models.shards import Alternatives, Index, Piece, RankShards, Shard
 from pagedmla.models.tiny import tiny_config, tiny_weights, trained_tiny_dir
 from pagedmla.ops.block_fp8 import all_finite
@@ -213,7 +214,7 @@ def _chosen_pieces(
 ) -> dict[str, tuple[Piece, ...]]:
     """For each model tensor, the first alternative the checkpoint holds; ValueErrors for
     tensors it lacks, tensors the model does not have, and shapes or fp8 scales that do
-    not fit (`Checkpoint.check`)."""
+    not fit (`Checkpoint.check`). KV cache scales are the engine's (`models.kv_scales`)."""
     stored = checkpoint.stored
     chosen: dict[str, tuple[Piece, ...]] = {}
     missing: list[str] = []
@@ -232,7 +233,7 @@ def _chosen_pieces(
     for name, entry in stored.items():
         # A scale the model holds no tensor for is read with its weight, dequantized.
         weight = name.removesuffix(SCALE_SUFFIX) if name in checkpoint.scales else name
-        if weight not in known and not ignored_weight(name, num_layers):
+        if weight not in known and not ignored_weight(name, num_layers) and not is_kv_scale(name):
             raise ValueError(
                 f"{entry.file}: unknown weight {name!r}: the model has no tensor of that name"
             )
