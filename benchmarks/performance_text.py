@@ -188,10 +188,11 @@ fresh random prompts, first right after `LLM(...)`; variants: built or loaded fr
 # What bounds the kernel or the engine where a target is missed: one line each, the
 # evidence being the kernels' profiles and same-run A/Bs.
 LIMITS = {
-    "first_call": "The split-KV planner and combine of decode rows that run eagerly (steps "
-    "past the largest piecewise graph, MQA extends) have a variant per request-count "
-    "block, split count and kernel, which the warm-up does not walk yet: their first use "
-    "builds them (2-4 variants, seconds each when compiled, 0.1 s when loaded).",
+    "first_call": "In these runs the split-KV planner and combine of decode rows run "
+    "eagerly (steps past the largest piecewise graph, MQA extends) built a variant per "
+    "request-count block and split count on first use (2-4, seconds each compiled, 0.1 s "
+    "loaded). The engine now plans those rows for max_model_len, as its graphs do, and "
+    "the warm-up walks their request counts: not yet measured.",
     "warm_start": "Measured on an H100: loading the weights (4.1 s) and capturing the "
     "graphs (3.7 s) dominate; the warm-up takes 1.3 s.",
     "memory_bound": "A one-wave grid pays ~22 µs of fixed cost (the write-back of the "

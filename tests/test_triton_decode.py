@@ -69,6 +69,20 @@ def test_decode_split_counts_agree(num_splits: int | None, config: DecodeConfig)
     _check_decode(args, torch.float32, config=config, num_splits=num_splits)
 
 
+@runnable
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [2, 3, 1]])
+def test_decode_max_seq_len_past_the_longest(q_lens: list[int]) -> None:
+    # CUDA graphs, and the engine's eager decode rows, pass max_model_len: a bound far
+    # past the batch's longest request (its block table as narrow as the batch needs)
+    # changes the plan's bounds, not the result.
+    args = _decode_case(q_lens, [5, 90, 200], 4, 64, 16, 16, torch.float32, torch.float32,
+                        seed=31)
+    out, _ = _check_decode(args, torch.float32)  # (out: ours, against the reference)
+    loose = mla_decode(*args[:7], 4096, *args[8:])
+    torch.testing.assert_close(loose[0], out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loose[1], mla_decode(*args)[1], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf])
 def test_decode_rejects_a_softmax_scale_that_is_not_finite_and_positive(scale: float) -> None:
     # The 64-row kernel scales each row's maximum rather than every score, which holds

@@ -14,11 +14,12 @@ import random
 import pytest
 import torch
 
-from pagedmla import LLM, SamplingParams
+from pagedmla import LLM, MLADims, MLAMetadataBuilder, SamplingParams
 from pagedmla.engine.block_manager import BlockManager
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.startup import StartupReport, use_compile_cache
-from pagedmla.engine.warmup import warmup_cases
+from pagedmla.engine.warmup import run_cases, warmup_cases
+from pagedmla.metadata import BatchSpec
 
 LIMITS = dict(max_model_len=320, max_num_seqs=6, max_num_batched_tokens=48)
 OPTIONS = dict(LIMITS, device="cpu", dtype=torch.float32, block_size=16, num_kv_blocks=200)
@@ -37,6 +38,37 @@ def test_cases_stay_inside_the_limits(max_model_len, max_num_seqs, budget, cache
         assert all(case.prefix + n + max_tokens <= max_model_len for n in case.lengths)
         # (Prefix caching shares the prefix's blocks between the prompts.)
         assert case.prefix + sum(case.lengths) <= cache_tokens // 2, case.name
+
+
+def test_cases_of_one_prefix_length_share_the_prefix() -> None:
+    calls: list[list[list[int]]] = []
+    cases = warmup_cases(4096, 8, 4096, True, 10**6)
+    run_cases(lambda prompts, params, use_tqdm: calls.append(prompts), cases, 250,
+              show_progress=False)
+    assert len(calls) == len(cases)
+    seen: dict[int, list[int]] = {}
+    for case, prompts in zip(cases, calls, strict=True):
+        assert [len(p) - case.prefix for p in prompts] == case.lengths
+        for prompt in prompts:
+            assert seen.setdefault(case.prefix, prompt[:case.prefix]) == prompt[:case.prefix]
+    assert sum(1 for c in cases if c.prefix == 256) >= 3  # a prefix, then its extends
+
+
+def test_decode_bound_fixes_the_decode_rows_max_seq_len() -> None:
+    """The engine's eager decode rows are planned for max_model_len, as its graphs are."""
+    dims = MLADims(4, 64, 16, 16, 16)
+    spec = BatchSpec(query_lens=[1, 2, 30], seq_lens=[40, 7, 30],
+                     block_table=torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 0]],
+                                              dtype=torch.int32),
+                     slot_mapping=torch.tensor([39 + 16, 4 * 16 + 5, 4 * 16 + 6]
+                                               + [5 * 16 + i for i in range(16)]
+                                               + [6 * 16 + i for i in range(14)]))
+    for bound, want in ((None, 40), (4096, 4096), (8, 40)):
+        builder = MLAMetadataBuilder(dims, block_size=16, decode_threshold=2,
+                                     decode_bound=bound)
+        meta = builder.build(spec)
+        assert meta.decode.max_seq_len == want
+        assert meta.prefill is not None and meta.num_decode_tokens == 3
 
 
 def _outputs(llm: LLM) -> list[tuple]:

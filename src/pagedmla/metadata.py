@@ -254,7 +254,10 @@ class MLAMetadataBuilder:
     predicts that to be cheaper (short chunked-prefill pieces over long contexts).
     Requests taking the MQA path must come first in a batch. index_topk: the top-k of a
     sparse-attention model's indexer; the metadata then describes the whole batch for it
-    (`SparseMetadata`).
+    (`SparseMetadata`). decode_bound: the MQA rows' max_seq_len (None: the batch's
+    longest): the engine gives max_model_len on graph-safe backends, as its CUDA graphs
+    do, so that the split-KV plan and combine of eager decode rows take the same
+    variants whatever the contexts (`engine/warmup.py`).
     """
 
     def __init__(
@@ -268,6 +271,7 @@ class MLAMetadataBuilder:
         max_num_seqs: int = 256,
         router: PathCostModel | None = None,
         index_topk: int | None = None,
+        decode_bound: int | None = None,
     ) -> None:
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be MLADims, got {type(dims).__name__}")
@@ -293,6 +297,7 @@ class MLAMetadataBuilder:
         self.decode_threshold = decode_threshold
         self.router = router
         self.index_topk = index_topk
+        self.decode_bound = decode_bound or 0
         self.workspace = Workspace(workspace_rows, self.device)
         # The decode path's collectives under decode context parallelism.
         self.decode_hook: DecodeHook | None = None
@@ -367,7 +372,7 @@ class MLAMetadataBuilder:
                 seq_lens=view(decode_handles[0]),
                 query_start_loc=view(decode_handles[1]),
                 max_query_len=max(query_lens[:num_decodes]),
-                max_seq_len=max(decode_seq_lens),
+                max_seq_len=max(self.decode_bound, *decode_seq_lens),
                 query_lens=query_lens[:num_decodes],
             )
         prefill = None

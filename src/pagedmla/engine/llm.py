@@ -172,6 +172,8 @@ class LLM:
                      router=PathCostModel() if args.route_by_cost else None)
         if index is not None:  # (decode context parallel builders never see one)
             sizes["index_topk"] = index.topk
+        if device.type == "cuda" and get_backend(args.backend, device).graph_safe:
+            sizes["decode_bound"] = self.max_model_len
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
             if self.parallel is None

@@ -10,12 +10,11 @@ fixed by the configuration (head count, page size, cache dtype, model widths) an
 few ladders of sizes that the kernels' launch code picks from: token counts (the GEMM and
 MoE tile configs, the prefill head groups), request counts (the split planner's blocks),
 query rows per request (the decode kernel and its head block) and the longest context
-(the split-KV splits). `warmup_cases` walks them with whole engine steps, so that the
-paths between kernels (CUDA graphs, eager rows, chunked context, prefix hits, the absorbed
-MQA route, sampling) are the ones that serve later. Not yet covered: the split planner's
-and combine's variants of eager decode rows (in steps past the largest piecewise graph)
-and MQA extends for every request count and longest context; the first step of such a
-shape still builds them (`benchmarks/bench_startup.py` counts them).
+(the split-KV splits; the engine fixes it for decode rows at max_model_len, as its CUDA
+graphs do: `MLAMetadataBuilder(decode_bound=...)`). `warmup_cases` walks them with whole
+engine steps, so that the paths between kernels (CUDA graphs, eager rows, chunked
+context, prefix hits, the absorbed MQA route, sampling) are the ones that serve later.
+`benchmarks/bench_startup.py` counts the variants built after start-up.
 
 `LLM.warm_up` runs them, then starts over as new: the prefix cache is emptied, the
 request ids, the statistics and the sampling generator start over.
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from pagedmla.engine.piecewise import MAX_TOKENS as PIECEWISE_MAX_TOKENS
 from pagedmla.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -46,7 +46,8 @@ LONGEST_CONTEXT = 128 * 256
 @dataclass
 class WarmupCase:
     """One generate call: prompts of these lengths (each of fresh random tokens, after
-    `prefix` shared tokens), `max_tokens` each, sampled by `params` (greedy if None)."""
+    `prefix` random tokens that every case of that prefix length shares), `max_tokens`
+    each, sampled by `params` (greedy if None)."""
 
     name: str
     lengths: list[int]
@@ -88,15 +89,29 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     # call arrive while the first ones decode (mixed steps).
     if longest > budget:
         cases.append(WarmupCase("chunked", [min(longest, 3 * budget + 5)], max_tokens=3))
-    mixed = min(budget // 2, longest) + 7
-    cases.append(WarmupCase("mixed", [mixed] * 3 + [5] * 8, max_tokens=6))
-    # Extends after a cached prefix of each context length (the split-KV splits by the
-    # longest context), with short suffixes (MQA) and long ones (MHA over the context).
+    # Steps past the largest piecewise graph run eagerly, their decode rows too: count
+    # requests decode while long prompts fill such steps (the split planner's blocks by
+    # request count, as above for the graphs).
+    long = min(longest, budget // 2 + 1100)
+    if budget > PIECEWISE_MAX_TOKENS and 2 * long - budget > PIECEWISE_MAX_TOKENS:
+        for count in [c for c in REQUEST_COUNTS if c < max_num_seqs] + [max_num_seqs]:
+            if 3 * long + 4 * count <= cache_tokens // 2:
+                cases.append(WarmupCase(f"{count} decodes in eager steps",
+                                        [4] * count + [long] * 3, max_tokens=3))
+    # Extends after a cached prefix (each call's prompts share it with the call before):
+    # of each context length with short suffixes (MQA) and long ones (MHA over the
+    # context); and 2 or 3 query rows (the MQA kernels' head blocks) for each request
+    # count.
     if prefix_caching:
         for context in _pow2_ladder(64, longest - 1):
             suffixes = [n for n in SUFFIXES if context + n <= longest]
             cases.append(WarmupCase(f"prefix {context}", [0], max_tokens=1, prefix=context))
             cases.append(WarmupCase(f"extends {context}", suffixes, prefix=context))
+        context = min(256, longest // 2)
+        for count in (c for c in (1, 3, 17, 33, 65) if c <= max_num_seqs):
+            for rows in (2, 3):
+                cases.append(WarmupCase(f"{count} extends of {rows}", [rows] * count,
+                                        prefix=context))
     # Sampling: temperature, top-k / top-p, penalties, seeds and logprobs.
     sampled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5,
                              frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=2,
@@ -110,12 +125,13 @@ def run_cases(generate: Callable[..., object], cases: list[WarmupCase], vocab_si
     """Run each case through `generate` (`LLM.generate`) on random tokens below
     vocab_size (seeded: the same every start)."""
     rng = random.Random(0)
+    prefixes: dict[int, list[int]] = {}  # by length: cases of one length share theirs
 
     def tokens(count: int) -> list[int]:
         return [rng.randrange(vocab_size) for _ in range(count)]
 
     for case in tqdm(cases, desc="warm-up", disable=not show_progress):
-        prefix = tokens(case.prefix)
+        prefix = prefixes.setdefault(case.prefix, tokens(case.prefix))
         prompts = [prefix + tokens(length) for length in case.lengths]
         params = case.params or SamplingParams(max_tokens=case.max_tokens, **GREEDY)
         generate(prompts, params, use_tqdm=False)
