@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-on-compile", action="store_true")
     parser.add_argument("--out", default="startup.json")
     args = parser.parse_args(argv)
+    if args.runs < 2:
+        parser.error("--runs must be at least 2: the first run, then the later ones")
     config = bench_config(args.layers, args.hidden, args.moe)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, Any] = {"args": vars(args), "device": device}

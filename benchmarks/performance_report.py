@@ -246,7 +246,7 @@ TARGETS += [
            "call later (prompts, decodes, chunked prefill, prefix hits; bf16 and fp8 caches)",
            _first_call, text.LIMITS["first_call"], STARTUP_WARM),
     Target(f"start-up with the compiled kernels on disk (8 layers, V2-Lite attention): "
-           f"≤ {startup.WARM_START_S:.0f} s on an H200",
+           f"≤ {startup.WARM_START_S:.0f} s (set for an H200; the card measured is named)",
            _measured(STARTUP_WARM, startup.warm_start), text.LIMITS["warm_start"],
            STARTUP_WARM),
 ]

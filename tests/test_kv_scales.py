@@ -171,19 +171,24 @@ def test_tracking_counts_what_clips_and_the_largest_value() -> None:
     assert (wide.clipped, wide.amax) == (None, 300.0)  # no fp8, no clipping
 
 
-@pytest.mark.parametrize("value, error", [
-    ("bogus", ValueError), (0.0, ValueError), (math.inf, ValueError), (True, TypeError),
-    ("1.5", ValueError)])
-def test_kv_cache_scale_is_validated(value, error) -> None:
+@pytest.mark.parametrize("value, cache, error", [
+    ("bogus", "fp8", ValueError), (0.0, "fp8", ValueError), (math.inf, "fp8", ValueError),
+    (True, "fp8", TypeError), ("1.5", "fp8", ValueError),
+    # A scale other than auto's is an fp8 cache's only.
+    (2.0, "auto", ValueError), ("calibrate", "fp8_ds_mla", ValueError)])
+def test_kv_cache_scale_is_validated(value, cache, error) -> None:
     with pytest.raises(error, match="kv_cache_scale"):
-        EngineArgs(kv_cache_scale=value)
+        EngineArgs(kv_cache_scale=value, kv_cache_dtype=cache)
+    EngineArgs(kv_cache_scale="auto", kv_cache_dtype=cache)
 
 
-def test_kv_cache_scale_flag() -> None:
+def test_kv_cache_scale_flag(capsys) -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     for text, want in (("calibrate", "calibrate"), ("0.5", 0.5), ("auto", "auto")):
-        args = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-scale", text]))
-        assert args.kv_cache_scale == want
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-cache-scale", "big"])
+        flags = ["--kv-cache-scale", text, "--kv-cache-dtype", "fp8"]
+        assert EngineArgs.from_cli_args(parser.parse_args(flags)).kv_cache_scale == want
+    for text in ("big", "0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-cache-scale", text])
+        assert "invalid kv-cache-scale" in capsys.readouterr().err

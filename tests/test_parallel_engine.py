@@ -200,6 +200,8 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
         llm = LLM("tiny", tensor_parallel_size=2, decode_context_parallel_size=2,
                   dtype=torch.float32, device="cpu", block_size=8, num_kv_blocks=48,
                   max_num_batched_tokens=16, workspace_rows=16)
+        # (Every rank, as LLM() does on CUDA: the outputs after it are a fresh engine's.)
+        llm.warm_up(show_progress=False)
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         outs = llm.generate({prompt_sets[0]!r}, params, use_tqdm=False)
         print(json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)

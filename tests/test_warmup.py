@@ -27,7 +27,8 @@ OPTIONS = dict(LIMITS, device="cpu", dtype=torch.float32, block_size=16, num_kv_
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("max_model_len, max_num_seqs, budget, cache_tokens", [
-    (320, 6, 48, 3200), (8192, 256, 8192, 10**6), (163840, 64, 2048, 40000)])
+    (8, 4, 16, 800), (33, 4, 16, 800), (320, 6, 48, 3200), (8192, 256, 8192, 10**6),
+    (163840, 64, 2048, 40000)])
 def test_cases_stay_inside_the_limits(max_model_len, max_num_seqs, budget, cache_tokens,
                                       prefix_caching) -> None:
     cases = warmup_cases(max_model_len, max_num_seqs, budget, prefix_caching, cache_tokens)
@@ -87,8 +88,17 @@ def test_an_engine_after_the_warmup_answers_as_a_fresh_one() -> None:
     warmed.warm_up(show_progress=False)
     manager = warmed.block_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
-    # Nothing the warm-up cached is found again: the same prefix is computed afresh.
-    assert manager.match_prefix(Sequence(0, list(range(3, 100)), SamplingParams())) == 0
+    # The prompts the warm-up sent (the same random tokens: run_cases is seeded) are not
+    # found in the prefix cache: they would be computed afresh.
+    sent: list[list[int]] = []
+    cases = warmup_cases(warmed.max_model_len, 6, 48, True,
+                         manager.num_usable_blocks * manager.block_size)
+    run_cases(lambda prompts, params, use_tqdm: sent.extend(prompts), cases,
+              warmed.config.vocab_size, show_progress=False)
+    long = [p for p in sent if len(p) >= 2 * manager.block_size]
+    assert long
+    assert all(manager.match_prefix(Sequence(0, p, SamplingParams())) == 0 for p in long)
+    assert warmed.scheduler.num_preemptions == 0 and warmed.stats.steps == 0
     assert _outputs(warmed) == _outputs(fresh)
     assert warmed.stats.steps == fresh.stats.steps
 
@@ -105,7 +115,9 @@ def test_block_manager_reset_needs_every_block_free() -> None:
 
 
 def test_startup_report_and_compile_cache_dir(tmp_path, monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    # (setenv first: monkeypatch then restores the variable, which LLM() sets, as it was.)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
     assert use_compile_cache(None).endswith(os.path.join(".triton", "cache"))
     llm = LLM("tiny", compile_cache_dir=tmp_path / "kernels", **OPTIONS)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kernels")
@@ -117,3 +129,5 @@ def test_startup_report_and_compile_cache_dir(tmp_path, monkeypatch) -> None:
                            "built; compiled kernels kept in /x")
     with pytest.raises(TypeError, match="compile_cache_dir"):
         LLM("tiny", compile_cache_dir=3, **OPTIONS)
+    with pytest.raises(ValueError, match="compile_cache_dir"):
+        LLM("tiny", compile_cache_dir="", **OPTIONS)

@@ -254,10 +254,8 @@ class MLAMetadataBuilder:
     predicts that to be cheaper (short chunked-prefill pieces over long contexts).
     Requests taking the MQA path must come first in a batch. index_topk: the top-k of a
     sparse-attention model's indexer; the metadata then describes the whole batch for it
-    (`SparseMetadata`). decode_bound: the MQA rows' max_seq_len (None: the batch's
-    longest): the engine gives max_model_len on graph-safe backends, as its CUDA graphs
-    do, so that the split-KV plan and combine of eager decode rows take the same
-    variants whatever the contexts (`engine/warmup.py`).
+    (`SparseMetadata`). decode_bound: the MQA rows' max_seq_len at least (the engine's
+    max_model_len on graph-safe backends, as in its graphs: `engine/warmup.py`).
     """
 
     def __init__(
@@ -306,9 +304,8 @@ class MLAMetadataBuilder:
         """Whether a request with these lengths takes the absorbed MQA (decode) path."""
         if query_len <= self.decode_threshold:
             return True
-        return self.router is not None and self.router.prefers_mqa(
-            self.dims, query_len, context_len
-        )
+        return self.router is not None and self.router.prefers_mqa(self.dims, query_len,
+                                                                   context_len)
 
     @property
     def workspace_rows(self) -> int:
@@ -320,8 +317,7 @@ class MLAMetadataBuilder:
         from the block table, as the engine does every step; the O(B) checks run
         always."""
         query_lens, seq_lens, block_table, slot_mapping, max_block = self._checked(
-            spec, slots=validate
-        )
+            spec, slots=validate)
         num_reqs = len(query_lens)
         num_tokens = sum(query_lens)
 

@@ -8,6 +8,7 @@ command line's engine flags are derived from these fields (`add_cli_args`,
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import typing
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedmla.cache import MODEL_DTYPES, resolve_cache_dtype
+from pagedmla.cache import FP8_DTYPE, MODEL_DTYPES, resolve_cache_dtype
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.ops.registry import available_backends
 from pagedmla.validation import boolean, integer, positive_finite, real
@@ -42,10 +43,13 @@ def _parse_kv_scale(text: str) -> str | float:
     if text in KV_SCALE_CHOICES:
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
+        value = math.nan
+    if not 0.0 < value < math.inf:
         raise argparse.ArgumentTypeError(
-            f"invalid kv-cache-scale {text!r}: auto, calibrate or a positive number") from None
+            f"invalid kv-cache-scale {text!r}: auto, calibrate or a finite number > 0")
+    return value
 
 
 @dataclass
@@ -164,7 +168,7 @@ class EngineArgs:
         if not isinstance(self.kv_cache_dtype, (str, torch.dtype)):
             raise TypeError(f"kv_cache_dtype must be a str or a torch.dtype, got "
                             f"{self.kv_cache_dtype!r}")
-        resolve_cache_dtype(self.kv_cache_dtype, self.dtype or torch.float32)
+        cache_dtype = resolve_cache_dtype(self.kv_cache_dtype, self.dtype or torch.float32)
         if isinstance(self.kv_cache_scale, str):
             if self.kv_cache_scale not in KV_SCALE_CHOICES:
                 raise ValueError(f"kv_cache_scale must be auto, calibrate or a positive "
@@ -172,6 +176,9 @@ class EngineArgs:
         else:
             self.kv_cache_scale = positive_finite(
                 "kv_cache_scale", real("kv_cache_scale", self.kv_cache_scale))
+        if self.kv_cache_scale != "auto" and cache_dtype != FP8_DTYPE:
+            raise ValueError(f"kv_cache_scale {self.kv_cache_scale!r} needs kv_cache_dtype "
+                             f"fp8 (one scale per layer), got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None:  # block 0 is reserved: 2 at least
             self.num_kv_blocks = integer("num_kv_blocks", self.num_kv_blocks, minimum=2)
         self.gpu_memory_utilization = real("gpu_memory_utilization",
@@ -201,6 +208,8 @@ class EngineArgs:
                 raise TypeError("compile_cache_dir must be a directory path, got "
                                 f"{self.compile_cache_dir!r}")
             self.compile_cache_dir = os.fspath(self.compile_cache_dir)
+            if not self.compile_cache_dir:
+                raise ValueError("compile_cache_dir must be a directory path, got ''")
         # torch.Generator.manual_seed's range.
         self.seed = integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 

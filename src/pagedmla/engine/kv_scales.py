@@ -62,11 +62,12 @@ def set_kv_cache_scales(caches: list[LatentKVCache], choice: str | float,
 
 
 def calibrate(runner: ModelRunner, caches: list[LatentKVCache], block_manager: BlockManager,
-              vocab_size: int, max_model_len: int, ranks: ParallelState | None) -> list[float]:
+              vocab_size: int, max_tokens: int, ranks: ParallelState | None) -> list[float]:
     """Each layer's scale from one prefill of random tokens through the runner (the module
-    docstring); `ranks`: the tensor parallel group, whose ranks agree on the result."""
+    docstring), of at most max_tokens tokens (the engine's step budget and max_model_len);
+    `ranks`: the tensor parallel group, whose ranks agree on the result."""
     block_size = block_manager.block_size
-    tokens = min(CALIBRATION_TOKENS, max_model_len,
+    tokens = min(CALIBRATION_TOKENS, max_tokens,
                  (block_manager.num_usable_blocks - 1) * block_size)
     gen = torch.Generator().manual_seed(0)
     token_ids = torch.randint(vocab_size, (tokens,), generator=gen)

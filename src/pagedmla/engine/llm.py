@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -172,7 +173,8 @@ class LLM:
                      router=PathCostModel() if args.route_by_cost else None)
         if index is not None:  # (decode context parallel builders never see one)
             sizes["index_topk"] = index.topk
-        if device.type == "cuda" and get_backend(args.backend, device).graph_safe:
+        if (device.type == "cuda" and get_backend(args.backend, device).graph_safe
+                and args.decode_context_parallel_size == 1):
             sizes["decode_bound"] = self.max_model_len
         self.builder = (
             MLAMetadataBuilder(dims, block_size=block_size, device=device, **sizes)
@@ -241,7 +243,9 @@ class LLM:
                 logger.info("%s", set_kv_cache_scales(
                     self.caches, args.kv_cache_scale, plan.checkpoint,
                     lambda: calibrate(self.runner, self.caches, self.block_manager,
-                                      self.config.vocab_size, self.max_model_len, ranks)))
+                                      self.config.vocab_size,
+                                      min(self.max_model_len, args.max_num_batched_tokens),
+                                      ranks)))
         if self._use_graphs(args.enforce_eager, args.backend):
             with self.startup.phase("graphs"):
                 self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens,
@@ -273,10 +277,8 @@ class LLM:
     def warm_up(self, show_progress: bool = True) -> None:
         """Run `warmup_cases` for this engine (`engine/warmup.py`), then start over as new:
         an empty prefix cache, request ids from 0, fresh statistics and the sampling
-        generator at its seed. On the driver: the workers build their kernels running
-        its steps."""
-        if self.parallel is not None and not self.parallel.is_driver:
-            return
+        generator (and torch's) at its seed. Under torchrun every rank calls this (the
+        others serve the driver's steps); spawned workers run the driver's steps."""
         manager = self.block_manager
         cases = warmup_cases(self.max_model_len, self.args.max_num_seqs,
                              self.args.max_num_batched_tokens, self.args.enable_prefix_caching,
@@ -285,6 +287,7 @@ class LLM:
         manager.reset()
         self.scheduler.num_preemptions = 0
         self.generator.manual_seed(self.args.seed)
+        torch.manual_seed(self.args.seed)
         self._next_id = 0
         self.stats = EngineStats()
 
@@ -559,8 +562,9 @@ class LLM:
 
 def _serve_driver(args: EngineArgs) -> None:
     """A tensor parallel rank spawned by the driver: the driver's engine, serving the
-    driver's steps until it shuts down (`Workers`' entry point)."""
-    llm = LLM(args)
+    driver's steps until it shuts down (`Workers`' entry point). It builds its kernels
+    running the steps of the driver's warm-up."""
+    llm = LLM(dataclasses.replace(args, warmup=False))
     assert llm.parallel is not None
     llm.parallel.serve(llm.runner.execute)
     llm.close()

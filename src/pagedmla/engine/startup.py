@@ -79,9 +79,9 @@ class CompileLog:
 @dataclass
 class StartupReport:
     """The phases of one `LLM(...)` in seconds, in order (load: plan and read the weights;
-    kv_cache: allocate it; graphs: capture the CUDA graphs; warmup: run every kernel
-    variant once), the kernel specializations built in all (None where not counted), and
-    the on-disk compile cache."""
+    kv_cache: allocate it; kv_scales: an fp8 cache's scales; graphs: capture the CUDA
+    graphs; warmup: run every kernel variant once), the kernel specializations built in
+    all (None where not counted), and the on-disk compile cache."""
 
     phases: dict[str, float] = field(default_factory=dict)
     kernels_built: int | None = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
 
@@ -117,7 +117,10 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
                              frequency_penalty=0.2, repetition_penalty=1.1, min_tokens=2,
                              seed=0, logprobs=5, max_tokens=4, ignore_eos=True)
     cases.append(WarmupCase("sampled", [7, 12, 30], params=sampled))
-    return cases
+    # Within max_model_len (each case generates 4 tokens at most): shorter prompts.
+    return [replace(case, lengths=[max(1, min(n, longest - case.prefix))
+                                   for n in case.lengths])
+            for case in cases if case.prefix < longest]
 
 
 def run_cases(generate: Callable[..., object], cases: list[WarmupCase], vocab_size: int,

@@ -75,11 +75,9 @@ def _quantize_fp8(x, scale, SOFTWARE_ROUND: tl.constexpr):
     return y
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["num_tokens"],
-    do_not_specialize_on_alignment=["slot_ptr"],
-)
+    do_not_specialize_on_alignment=["slot_ptr"])
 def _write_cache_kernel(
     data_ptr, kv_c_ptr, k_pe_ptr, slot_ptr, scale_ptr,
     stride_db, stride_dp, stride_ct, stride_pt, num_tokens,
@@ -169,13 +167,10 @@ def _context_rows(
     return rows, row_ok, block * stride_db + (pos % PAGE).to(tl.int64) * stride_dp
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "num_rows"],
-    do_not_specialize_on_alignment=[
-        "block_table_ptr", "starts_ptr", "cu_seq_lens_ptr", "token_to_seq_ptr",
-    ],
-)
+    do_not_specialize_on_alignment=["block_table_ptr", "starts_ptr", "cu_seq_lens_ptr",
+                                    "token_to_seq_ptr"])
 def _gather_cache_kernel(
     data_ptr, scale_ptr, block_table_ptr, starts_ptr, cu_seq_lens_ptr, token_to_seq_ptr,
     out_ptr,
@@ -275,11 +270,9 @@ def _ds_mla_scale(x):
     return tl.where(has_nan, float("nan"), scale)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["num_tokens"],
-    do_not_specialize_on_alignment=["slot_ptr"],
-)
+    do_not_specialize_on_alignment=["slot_ptr"])
 def _write_ds_mla_kernel(
     data_ptr, scales_ptr, rope_ptr, kv_c_ptr, k_pe_ptr, slot_ptr,
     stride_db, stride_dp, stride_ct, stride_pt, num_tokens,
@@ -335,13 +328,10 @@ def ds_mla_rope(rope_ptr, row, ok, BLOCK_R: tl.constexpr):
                    mask=ok[:, None] & (cols[None, :] < _ROPE), other=0.0)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "num_rows"],
-    do_not_specialize_on_alignment=[
-        "block_table_ptr", "starts_ptr", "cu_seq_lens_ptr", "token_to_seq_ptr",
-    ],
-)
+    do_not_specialize_on_alignment=["block_table_ptr", "starts_ptr", "cu_seq_lens_ptr",
+                                    "token_to_seq_ptr"])
 def _gather_ds_mla_kernel(
     data_ptr, scales_ptr, rope_ptr, block_table_ptr, starts_ptr, cu_seq_lens_ptr,
     token_to_seq_ptr, out_ptr, stride_db, stride_dp, stride_bt, stride_ot, num_rows,

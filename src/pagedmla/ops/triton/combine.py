@@ -100,10 +100,8 @@ def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, first, count, q_beg
     tl.store(lse_ptr + head * stride_lh + token * stride_lt, merged, mask=t < q_len)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=["stride_lh", "num_splits", "num_entries"],
-)
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
+    do_not_specialize=["stride_lh", "num_splits", "num_entries"])
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, cut_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps,

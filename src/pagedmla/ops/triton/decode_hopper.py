@@ -475,11 +475,8 @@ def _produce_run(latent_desc, rope_desc, ring_a, ring_b, ring_r, ready, empty, t
         base += num_tiles
 
 
-@gluon.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=["stride_bt", "stride_lh", "num_partials"],
-    do_not_specialize_on_alignment=["block_table_ptr"],
-)
+@gluon.jit(do_not_specialize=["stride_bt", "stride_lh", "num_partials"],  # batch-dependent:
+           do_not_specialize_on_alignment=["block_table_ptr"])  # engine/warmup.py
 def _decode_partial_ws_kernel(
     q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, starts_ptr,
     out_ptr, lse_ptr, part_ptr, part_lse_ptr,

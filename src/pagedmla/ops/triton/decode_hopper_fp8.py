@@ -398,11 +398,9 @@ def _store_block(acc, norm, block: gl.constexpr, out_cols, part_cols, row_ok, st
         gl.store(part_cols[None, :] + col[:, None], o, mask=store_ok[None, :])
 
 
-@gluon.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@gluon.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "stride_lh"],
-    do_not_specialize_on_alignment=["block_table_ptr"],
-)
+    do_not_specialize_on_alignment=["block_table_ptr"])
 def _decode_fp8_kernel(
     q_ptr, latent_desc, rope_desc, scale_ptr, block_table_ptr, work_ptr, out_ptr, lse_ptr,
     part_ptr, part_lse_ptr,

@@ -315,11 +315,9 @@ def _accumulate(ring_a, ring_b, ready, empty, p_smem, alpha_smem, p_ready, p_fre
     return acc_a, acc_b
 
 
-@gluon.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@gluon.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "stride_lh"],
-    do_not_specialize_on_alignment=["block_table_ptr"],
-)
+    do_not_specialize_on_alignment=["block_table_ptr"])
 def _decode_heads_kernel(
     q_ptr, latent_desc, rope_desc, codes_ptr, scale_ptr, block_table_ptr, work_ptr,
     out_ptr, lse_ptr, part_ptr, part_lse_ptr,

@@ -336,11 +336,9 @@ def _paged_step(
                         qk_scale, R, PRECISION, SWAP_AB)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "stride_lh", "num_partials"],
-    do_not_specialize_on_alignment=["block_table_ptr"],
-)
+    do_not_specialize_on_alignment=["block_table_ptr"])
 def _decode_partial_kernel(
     q_ptr, data_ptr, latent_desc, rope_desc, scale_ptr, ds_scales_ptr, ds_rope_ptr,
     block_table_ptr, work_ptr, starts_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr,

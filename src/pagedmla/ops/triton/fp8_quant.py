@@ -59,10 +59,8 @@ def quantize_rows(a, INTERPRETED: tl.constexpr):
     return _quantize_fp8(a, divisor, INTERPRETED).to(tl.float8e4nv), scale
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=["M", "stride_sk"],
-)
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
+    do_not_specialize=["M", "stride_sk"])
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sk,
     INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,

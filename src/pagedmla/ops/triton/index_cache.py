@@ -73,11 +73,9 @@ def _pow2_scale(amax):
     return tl.where(ratio != ratio, float("nan"), scale)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["num_tokens"],
-    do_not_specialize_on_alignment=["slot_ptr"],
-)
+    do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kernel(
     data_ptr, scales_ptr, k_ptr, slot_ptr, num_tokens,
     stride_kt, stride_db, stride_dp, stride_sb,

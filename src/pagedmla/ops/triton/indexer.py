@@ -129,13 +129,10 @@ def _head_sums(q, k, w, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     return tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_N)), 1)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=[
-        "num_reqs", "row_start", "row_end", "num_positions", "span", "stride_bt", "stride_ot",
-    ],
-    do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"],
-)
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
+    do_not_specialize=["num_reqs", "row_start", "row_end", "num_positions", "span", "stride_bt",
+                       "stride_ot"],
+    do_not_specialize_on_alignment=["table_ptr", "seq_lens_ptr", "qsl_ptr"])
 def _logits_kernel(
     q_ptr, w_ptr, keys_ptr, scales_ptr, table_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     num_reqs, row_start, row_end, num_positions, span, num_heads,

@@ -20,11 +20,9 @@ MERGE_ELEMENTS = 4096
 MERGE_WARPS = 4
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_plh", "stride_slh", "stride_olh"],
-    do_not_specialize_on_alignment=["prefix_lse_ptr", "suffix_lse_ptr", "out_lse_ptr"],
-)
+    do_not_specialize_on_alignment=["prefix_lse_ptr", "suffix_lse_ptr", "out_lse_ptr"])
 def _merge_kernel(
     prefix_ptr, prefix_lse_ptr, suffix_ptr, suffix_lse_ptr, out_ptr, out_lse_ptr,
     stride_pt, stride_ph, stride_st, stride_sh, stride_ot, stride_oh,

@@ -137,10 +137,8 @@ def _block_rows(row_pair_ptr, k, BLOCK_M: tl.constexpr):
     return rows.to(tl.int64), pair.to(tl.int64), pair >= 0, pair // k
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=["stride_xsg"],
-)
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
+    do_not_specialize=["stride_xsg"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, block_expert_ptr, row_pair_ptr,
     stride_xt, stride_we, stride_wn, num_experts, k, H, inter_size,

@@ -325,11 +325,9 @@ def _packed_block(cu_q_ptr, num_seqs, i, BLOCK_M: gl.constexpr):
     return gl.where(w < 0, num_seqs, seq), gl.maximum(w - start, 0)
 
 
-@gluon.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@gluon.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_lh", "num_blocks", "num_seqs"],
-    do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"],
-)
+    do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"])
 def _varlen_hopper_kernel(
     q_desc1, q_desc2, k_desc1, k_desc2, v_desc, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qh, stride_kh, stride_vh, stride_ot, stride_oh, stride_lh, stride_lt,

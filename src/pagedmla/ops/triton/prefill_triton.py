@@ -171,11 +171,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_lh", "num_seqs"],
-    do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"],
-)
+    do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"])
 def _varlen_attention_kernel(
     q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

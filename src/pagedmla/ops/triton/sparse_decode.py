@@ -67,11 +67,9 @@ def _request_of(query_start_loc_ptr, token, num_reqs):
     return lo
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
     do_not_specialize=["stride_bt", "stride_lh", "num_reqs"],
-    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
-)
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _sparse_kernel(
     q_ptr, data_ptr, scale_ptr, ds_scales_ptr, ds_rope_ptr, block_table_ptr, seq_lens_ptr,
     query_start_loc_ptr, indices_ptr, out_ptr, lse_ptr,

@@ -207,13 +207,10 @@ def _whole_wave_splits(t, done, total, goal, max_splits, MIN_TILES: tl.constexpr
     return tl.where(t > 0, tl.cdiv(t, tl.maximum(tl.cdiv(t, n), 1)), 1)
 
 
-@triton.jit(
-    # Batch-dependent: a new value must not build a new variant (engine/warmup.py).
-    do_not_specialize=[
-        "num_reqs", "rows", "max_splits", "max_cut", "head_groups", "slots", "forced",
-    ],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "query_start_ptr"],
-)
+@triton.jit(  # batch-dependent: no variant per value (engine/warmup.py)
+    do_not_specialize=["num_reqs", "rows", "max_splits", "max_cut", "head_groups", "slots",
+                       "forced"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "query_start_ptr"])
 def _plan_kernel(
     seq_lens_ptr, query_start_ptr, work_ptr, cut_ptr, starts_ptr,
     num_reqs, programs, rows, max_splits, max_cut, head_groups, slots, forced,
