@@ -25,10 +25,13 @@ def test_triton_engine_matches_reference(kv_cache_dtype: str) -> None:
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40)), [200, 100] * 9]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
     outputs = {}
-    for backend in ("reference", "triton"):
-        llm = LLM("tiny", dtype=torch.float32, device=DEVICE, backend=backend, block_size=4,
-                  max_num_batched_tokens=16, workspace_rows=8, num_kv_blocks=64,
-                  kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    for backend in ("reference", "triton", "triton, decode bound"):
+        llm = LLM("tiny", dtype=torch.float32, device=DEVICE, backend=backend.split(",")[0],
+                  block_size=4, max_num_batched_tokens=16, workspace_rows=8,
+                  num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+        # Decode rows planned for max_model_len, as the engine does on CUDA (and else for
+        # the longest row).
+        llm.builder.decode_bound = llm.max_model_len if "bound" in backend else 0
         outputs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for ref, ours in zip(outputs["reference"], outputs["triton"], strict=True):
         assert ref.outputs[0].token_ids == ours.outputs[0].token_ids
@@ -37,6 +40,10 @@ def test_triton_engine_matches_reference(kv_cache_dtype: str) -> None:
             assert ref_step.keys() == our_step.keys()
             tolerance = 1e-4 if kv_cache_dtype == "auto" else 1e-3
             assert max(abs(ref_step[t] - our_step[t]) for t in ref_step) < tolerance
+    for tight, bound in zip(outputs["triton"], outputs["triton, decode bound"], strict=True):
+        assert tight.outputs[0].token_ids == bound.outputs[0].token_ids
+        for a, b in zip(tight.outputs[0].logprobs, bound.outputs[0].logprobs, strict=True):
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
 
 
 def test_decode_split_plan_is_made_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
