@@ -197,20 +197,20 @@ class LLM:
         self.model = load_planned(plan, device)
         load_seconds = time.perf_counter() - start
         self.startup.phases["load"] = load_seconds
-        kv_start = time.perf_counter()
-        num_kv_blocks = args.num_kv_blocks
-        if num_kv_blocks is None:
-            num_kv_blocks = self._auto_num_blocks(block_size, block_bytes, workspace,
-                                                  args.gpu_memory_utilization)
-        if self.parallel is not None:
-            num_kv_blocks = self.parallel.agree_num_blocks(num_kv_blocks)
-        self.caches = [
-            LatentKVCache(num_kv_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
-                          kv_cache_dtype=args.kv_cache_dtype, dtype=dtype, device=device)
-            for _ in range(self.config.num_hidden_layers)
-        ]
-        attach_index_keys(self.caches, self.config, dtype, index_fp8)
-        self.startup.phases["kv_cache"] = time.perf_counter() - kv_start
+        with self.startup.phase("kv_cache"):
+            num_kv_blocks = args.num_kv_blocks
+            if num_kv_blocks is None:
+                num_kv_blocks = self._auto_num_blocks(block_size, block_bytes, workspace,
+                                                      args.gpu_memory_utilization)
+            if self.parallel is not None:
+                num_kv_blocks = self.parallel.agree_num_blocks(num_kv_blocks)
+            self.caches = [
+                LatentKVCache(num_kv_blocks, block_size, dims.kv_lora_rank,
+                              dims.qk_rope_head_dim, kv_cache_dtype=args.kv_cache_dtype,
+                              dtype=dtype, device=device)
+                for _ in range(self.config.num_hidden_layers)
+            ]
+            attach_index_keys(self.caches, self.config, dtype, index_fp8)
         # Under decode context parallelism a block id stands for block_size rows on each
         # rank of the group: the scheduler sees the group's combined capacity.
         self.block_manager = BlockManager(

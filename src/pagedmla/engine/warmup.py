@@ -73,6 +73,7 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     budget = max_num_batched_tokens
     # Room for the generated tokens; each call's prompts fit the cache with room to spare.
     longest = min(max_model_len - 4, LONGEST_CONTEXT, cache_tokens // 4)
+    counts = [c for c in REQUEST_COUNTS if c < max_num_seqs] + [max_num_seqs]
     cases = []
     # Prompts alone: one step each up to the token budget (the step's GEMMs, MoE tiles and
     # prefill head groups by length), unequal lengths (the varlen kernels) and equal ones
@@ -82,7 +83,7 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
         cases.append(WarmupCase(f"prompts 2x{length}", [length // 2] * 2))
     # Many requests in one step, then decoding together (the decode rows' and the split
     # planner's block sizes by request count).
-    for count in [c for c in REQUEST_COUNTS if c < max_num_seqs] + [max_num_seqs]:
+    for count in counts:
         lengths = [4 + i % 5 for i in range(min(count, cache_tokens // 64))]
         cases.append(WarmupCase(f"{count} requests", lengths, max_tokens=3))
     # Longer than a step: prefill chunks over cached context; the later prompts of the
@@ -94,7 +95,7 @@ def warmup_cases(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: 
     # request count, as above for the graphs).
     long = min(longest, budget // 2 + 1100)
     if budget > PIECEWISE_MAX_TOKENS and 2 * long - budget > PIECEWISE_MAX_TOKENS:
-        for count in [c for c in REQUEST_COUNTS if c < max_num_seqs] + [max_num_seqs]:
+        for count in counts:
             if 3 * long + 4 * count <= cache_tokens // 2:
                 cases.append(WarmupCase(f"{count} decodes in eager steps",
                                         [4] * count + [long] * 3, max_tokens=3))
@@ -134,7 +135,9 @@ def run_cases(generate: Callable[..., object], cases: list[WarmupCase], vocab_si
         return [rng.randrange(vocab_size) for _ in range(count)]
 
     for case in tqdm(cases, desc="warm-up", disable=not show_progress):
-        prefix = prefixes.setdefault(case.prefix, tokens(case.prefix))
+        if case.prefix not in prefixes:
+            prefixes[case.prefix] = tokens(case.prefix)
+        prefix = prefixes[case.prefix]
         prompts = [prefix + tokens(length) for length in case.lengths]
         params = case.params or SamplingParams(max_tokens=case.max_tokens, **GREEDY)
         generate(prompts, params, use_tqdm=False)
