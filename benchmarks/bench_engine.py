@@ -9,7 +9,9 @@ is busy (scheduling, inputs, metadata or graph staging, launches, sampling launc
 the token map and bookkeeping), i.e. all but the wait for the sampled tokens. Device
 span: CUDA events around a step's enqueues, so the GPU time from reaching the step's
 first work to its last; GPU idle = step - span, the host work that nothing overlaps.
-Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling. With
+Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling, and that
+with the step under torch.compile (`compiled_async`: `LLM(compile=True)`, whose steps
+with prompts run the compiled step whole instead of piecewise graphs). With
 `--tensor-parallel 2` the engine spawns a second rank (NCCL); `--dcp 2` adds decode
 context parallelism over the same two ranks.
 
@@ -213,7 +215,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
-    parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async")
+    parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async",
+                        help="comma-separated, of those and compiled_async")
     parser.add_argument("--arrivals", type=int, default=0,
                         help="also time steps that add a prompt of this many tokens each")
     parser.add_argument("--tensor-parallel", type=int, default=1)
@@ -229,17 +232,22 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
         write_tiny_checkpoint(directory, config=config)
-        modes = {"eager": (True, False), "cuda_graphs": (False, False),
-                 "cuda_graphs_async": (False, True)}
+        modes = {"eager": (True, False, False), "cuda_graphs": (False, False, False),
+                 "cuda_graphs_async": (False, True, False),
+                 "compiled_async": (False, True, True)}
         for mode in args.modes.split(","):
-            eager, ahead = modes[mode]
+            eager, ahead, compiled = modes[mode]
+            start = time.perf_counter()
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=block_size,
                       max_num_seqs=args.batch + (args.steps + 3 if args.arrivals else 0),
                       max_num_batched_tokens=BATCHED_TOKENS,
                       enforce_eager=eager, num_kv_blocks=kv_blocks, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
-                      decode_context_parallel_size=args.dcp)
+                      decode_context_parallel_size=args.dcp, compile=compiled,
+                      warmup=False)  # medians: the few steps that compile do not count
+            startup_s = time.perf_counter() - start
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
+            results["runs"][mode]["startup_s"] = startup_s
             if args.arrivals:
                 results["runs"][mode].update(time_mixed_steps(
                     llm, args.batch, args.prompt_len, args.steps, args.arrivals))
@@ -252,11 +260,12 @@ def main() -> None:
           f"{args.layers} layers{' (MoE)' if args.moe else ''}, "
           f"TP {args.tensor_parallel}, DCP {args.dcp}, {results['gpu']}")
     print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
-          "| tok/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| tok/s | start-up s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, r in results["runs"].items():
         print(f"| {mode} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | "
               f"{100 * r['host_share']:.1f}% | {r['device_span_ms']:.2f} | {r['idle_ms']:.2f} | "
-              f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} |")
+              f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} | "
+              f"{r['startup_s']:.1f} |")
     if args.arrivals:
         print(f"\nsteps of {args.batch} decodes + one {args.arrivals}-token prompt:")
         print("| mode | step ms | device span ms | GPU idle ms | planned ahead |\n"

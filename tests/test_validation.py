@@ -463,7 +463,7 @@ def test_backend_registration_replaces_a_resolved_backend(monkeypatch: pytest.Mo
     assert registry.get_backend("swapped", "cpu") is first
     registry.register_backend("swapped", lambda: second)
     assert registry.get_backend("swapped", torch.device("cpu")) is second
-    registry._resolve.cache_clear()  # forget "swapped" before the registry is restored
+    registry._RESOLVED.clear()  # forget "swapped" before the registry is restored
 
 
 @pytest.mark.parametrize(

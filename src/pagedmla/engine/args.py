@@ -130,6 +130,9 @@ class EngineArgs:
     backend: str = field(default="auto", metadata={
         "help": "kernels: auto (the fastest available), reference or triton"})
     enforce_eager: bool = field(default=False, metadata={"help": "never replay CUDA graphs"})
+    compile: bool = field(default=False, metadata={
+        "help": "run each step's forward under torch.compile(fullgraph=True), attention "
+        "an opaque custom op (steps with prompts then replay no piecewise graphs)"})
     warmup: bool = field(default=True, metadata={
         "help": "at start-up, build every kernel variant the configuration can reach, so "
         "that no request waits for a compilation (compiling backends on CUDA)"})
@@ -201,7 +204,7 @@ class EngineArgs:
             raise ValueError(f"backend must be one of {available_backends()}, got "
                              f"{self.backend!r}")
         for name in ("dequantize_weights", "enable_prefix_caching", "async_scheduling",
-                     "enforce_eager", "warmup", "route_by_cost"):
+                     "enforce_eager", "compile", "warmup", "route_by_cost"):
             boolean(name, getattr(self, name))
         if self.compile_cache_dir is not None:
             if not isinstance(self.compile_cache_dir, (str, os.PathLike)):

@@ -51,7 +51,7 @@ from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.startup import CompileLog, StartupReport, use_compile_cache
 from pagedmla.engine.step_loop import LaunchedStep, StepLoop
-from pagedmla.engine.warmup import run_cases, warmup_cases
+from pagedmla.engine.warmup import COMPILED_STEP_CASES, run_cases, warmup_cases
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.registry import get_backend
@@ -195,6 +195,8 @@ class LLM:
             check_fits(device, *torch.cuda.mem_get_info(device), args.gpu_memory_utilization,
                        plan.weight_bytes, workspace, blocks * block_bytes, blocks)
         self.model = load_planned(plan, device)
+        if args.compile:
+            self.model.decoder.enable_compile()
         load_seconds = time.perf_counter() - start
         self.startup.phases["load"] = load_seconds
         with self.startup.phase("kv_cache"):
@@ -280,9 +282,9 @@ class LLM:
         generator (and torch's) at its seed. Under torchrun every rank calls this (the
         others serve the driver's steps); spawned workers run the driver's steps."""
         manager = self.block_manager
-        cases = warmup_cases(self.max_model_len, self.args.max_num_seqs,
-                             self.args.max_num_batched_tokens, self.args.enable_prefix_caching,
-                             manager.num_usable_blocks * manager.block_size)
+        cases = COMPILED_STEP_CASES if self.device.type != "cuda" else warmup_cases(
+            self.max_model_len, self.args.max_num_seqs, self.args.max_num_batched_tokens,
+            self.args.enable_prefix_caching, manager.num_usable_blocks * manager.block_size)
         run_cases(self.generate, cases, self.config.vocab_size, show_progress)
         manager.reset()
         self.scheduler.num_preemptions = 0
@@ -292,8 +294,8 @@ class LLM:
         self.stats = EngineStats()
 
     def _warms_up(self) -> bool:
-        """Kernels compile on first use only on CUDA."""
-        return self.args.warmup and self.device.type == "cuda"
+        """Kernels compile on first use only on CUDA; compiled steps everywhere."""
+        return self.args.warmup and (self.device.type == "cuda" or self.args.compile)
 
     def _use_graphs(self, enforce_eager: bool, backend: str) -> bool:
         """Decode steps replay CUDA graphs when the kernels allow capture.
@@ -322,6 +324,11 @@ class LLM:
             max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
             dcp=self.builder.decode_hook,
         )
+        # Not methods of self: the runtime's finalizer must not keep the LLM alive.
+        if self.parallel is not None:
+            self.parallel.before_close(self.runner.graphs.release)
+        if self.args.compile:  # the compiled step runs whole: its pieces are not captured
+            return
         pieces = PiecewiseGraphs(self.model, self.caches,
                                  token_buckets(max_num_batched_tokens))
         if self.builder.decode_hook is None:
@@ -331,9 +338,7 @@ class LLM:
             pieces.capture_steps()
         self.runner.pieces = pieces
         if self.parallel is not None:
-            # Not methods of self: the runtime's finalizer must not keep the LLM alive.
-            self.parallel.before_close(self.runner.graphs.release)
-            self.parallel.before_close(self.runner.pieces.release)
+            self.parallel.before_close(pieces.release)
 
     def close(self) -> None:
         """Stop the tensor parallel workers and leave the process group (no-op otherwise)."""

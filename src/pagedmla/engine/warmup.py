@@ -16,7 +16,8 @@ engine steps, so that the paths between kernels (CUDA graphs, eager rows, chunke
 context, prefix hits, the absorbed MQA route, sampling) are the ones that serve later.
 `benchmarks/bench_startup.py` counts the variants built after start-up.
 
-`LLM.warm_up` runs them, then starts over as new: the prefix cache is emptied, the
+`LLM.warm_up` runs them (on the CPU, where only a torch.compile'd step compiles,
+`COMPILED_STEP_CASES`), then starts over as new: the prefix cache is emptied, the
 request ids, the statistics and the sampling generator start over.
 """
 
@@ -54,6 +55,11 @@ class WarmupCase:
     max_tokens: int = 2
     prefix: int = 0
     params: SamplingParams | None = None
+
+
+# Where no kernel compiles on first use (the CPU), a compiled step's graphs: one for
+# steps of a single token, one for all longer ones (token counts are dynamic).
+COMPILED_STEP_CASES = [WarmupCase("compiled steps", [2], max_tokens=2)]
 
 
 def _pow2_ladder(low: int, high: int) -> list[int]:

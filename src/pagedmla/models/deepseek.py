@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedmla.attention import MLAAttention
+from pagedmla.attention.opaque import ForwardStep, compile_supported
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import MLAMetadata
 from pagedmla.models.config import DeepseekConfig
@@ -103,6 +104,7 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = Linear.empty(L, N * (d.qk_nope_head_dim + d.v_head_dim), dtype, device)
         self.o_proj = linear(N * d.v_head_dim, H)
         self.attn = MLAAttention(d, c.softmax_scale, backend=backend)
+        self.layer = layer
         self.indexer = None
         if c.indexer is not None and c.indexer.has_indexer(layer):
             self.indexer = Indexer(c.indexer, dtype, device, block, backend)
@@ -112,14 +114,24 @@ class DeepseekAttention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        cache: LatentKVCache,
-        meta: MLAMetadata,
+        step: ForwardStep,
         indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [T, H] (normed) -> (attention output [T, N * V], the top-k positions
         [T, topk] it attended to, None where attention was dense). A layer without an
-        indexer attends with the `indices` given (an earlier layer's)."""
+        indexer attends with the `indices` given (an earlier layer's). Traced by
+        torch.compile, the indexer and attention are `attention/opaque.py`'s custom ops
+        (whose indices are -1 throughout where attention is dense)."""
         q_latent, (q, kv_c, k_pe) = self._project(hidden, cos, sin)
+        i = self.layer
+        if torch.compiler.is_compiling():
+            ops = torch.ops.pagedmla
+            if self.indexer is not None:
+                indices = ops.sparse_indices(hidden, q_latent, cos, sin, step, i,
+                                             self.indexer.config.topk)
+            return ops.mla_attention(q, kv_c, k_pe, step, i, indices,
+                                     self.dims.v_head_dim), indices
+        cache, meta = step.caches[i], step.meta
         if self.indexer is not None:
             indices = self.indexer(hidden, q_latent, cos, sin, cache.index_keys,
                                    meta.slot_mapping, meta.sparse)
@@ -178,8 +190,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        cache: LatentKVCache,
-        meta: MLAMetadata,
+        step: ForwardStep,
         indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(hidden, residual) -> (mlp output, residual stream before it, the top-k
@@ -187,7 +198,7 @@ class DecoderLayer(nn.Module):
         residual, or hidden alone for the first layer (residual None). Each residual add
         is fused with the norm after it."""
         hidden, residual = self._input_norm(hidden, residual)
-        out, indices = self.self_attn(hidden, cos, sin, cache, meta, indices)
+        out, indices = self.self_attn(hidden, cos, sin, step, indices)
         return (*self.after_attention(out, residual), indices)
 
     def _input_norm(
@@ -252,6 +263,18 @@ class DeepseekForCausalLM(nn.Module):
                 config.rope_scaling,
             )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping
+        self._layers = self._run_layers  # torch.compile's version after enable_compile
+
+    def enable_compile(self, backend: str = "inductor") -> None:
+        """Run every later forward's layers under torch.compile(fullgraph=True) with
+        dynamic token counts: attention and the indexer are opaque custom ops
+        (`attention/opaque.py`), everything else is traced and fused (`ops/opaque.py`).
+        The first forward of each token count class (1, and more than 1) compiles."""
+        if not compile_supported():
+            raise RuntimeError(f"compile=True needs torch >= 2.10 (custom ops taking "
+                               f"Python objects), this is torch {torch.__version__}")
+        self._layers = torch.compile(self._run_layers, fullgraph=True, dynamic=True,
+                                     backend=backend)
 
     def forward(
         self,
@@ -268,11 +291,22 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"caches has {len(caches)} entries, expected {len(self.layers)}")
         if self.config.indexer is not None:
             self._check_sparse(caches, meta)
+        # Lazy state made outside any trace, which would otherwise guard on its absence.
+        get_backend(self.norm.backend, positions.device)
+        if self.rotary is not None:
+            self.rotary.build(positions.device)
+        step = ForwardStep([layer.self_attn for layer in self.layers], caches,
+                           meta.for_forward())
+        return self._layers(input_ids, positions, step)
+
+    def _run_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: ForwardStep
+    ) -> torch.Tensor:
+        """`forward` past its checks: every layer over step's caches and metadata."""
         hidden, cos, sin = self.embed(input_ids, positions)
         residual = indices = None
-        meta = meta.for_forward()
-        for layer, cache in zip(self.layers, caches):
-            hidden, residual, indices = layer(hidden, residual, cos, sin, cache, meta, indices)
+        for layer in self.layers:
+            hidden, residual, indices = layer(hidden, residual, cos, sin, step, indices)
         return self.final_norm(hidden, residual)
 
     def _check_sparse(self, caches: list[LatentKVCache], meta: MLAMetadata) -> None:

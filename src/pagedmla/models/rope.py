@@ -88,17 +88,23 @@ class RotaryEmbedding(nn.Module):
                 rope_dim, theta, scaling, max_position_embeddings
             )
         self.inv_freq = inv_freq
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        # Buffers, not plain attributes: torch.compile takes them as inputs of the graph
+        # rather than baking (and copying) a constant table into it.
+        self._cos: torch.Tensor | None
+        self._sin: torch.Tensor | None
+        self.register_buffer("_cos", None, persistent=False)
+        self.register_buffer("_sin", None, persistent=False)
 
-    def _build(self, device: torch.device) -> None:
+    def build(self, device: torch.device) -> None:
+        """Make the cos / sin tables on `device` unless they are there already."""
+        if self._cos is not None and self._cos.device == device:
+            return
         positions = torch.arange(self.max_position_embeddings, dtype=torch.float32, device=device)
         angles = positions[:, None] * self.inv_freq.to(device)[None, :]
         self._cos = angles.cos() * self.magnitude
         self._sin = angles.sin() * self.magnitude
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.device != positions.device:
-            self._build(positions.device)
+        self.build(positions.device)
         return self._cos[positions], self._sin[positions]
 

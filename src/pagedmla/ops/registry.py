@@ -2,21 +2,26 @@
 
 A backend registers a loader that imports it on first use, so that the reference
 backend needs no `triton` package. `auto` picks, on CUDA devices, the first backend of
-the preference order that imports, and the reference backend elsewhere.
+the preference order that imports, and the reference backend elsewhere. While
+torch.compile traces a model, each backend is handed out as `ops/opaque.py`'s
+`traceable` version of itself.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 from pagedmla.ops import REFERENCE, Backend
+from pagedmla.ops.opaque import traceable
 
 _LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}
 # Preference order for backend="auto" on CUDA devices.
 _CUDA_PREFERENCE: list[str] = []
+# Every layer asks on every step: each (name, device type, traced) is resolved once. A
+# plain dict rather than functools.cache, which Dynamo would warn about on every trace.
+_RESOLVED: dict[tuple[str, str, bool], Backend] = {}
 
 
 def register_backend(
@@ -26,7 +31,7 @@ def register_backend(
     _LOADERS[name] = loader
     if prefer_on_cuda and name not in _CUDA_PREFERENCE:
         _CUDA_PREFERENCE.append(name)
-    _resolve.cache_clear()
+    _RESOLVED.clear()
 
 
 def available_backends() -> list[str]:
@@ -38,10 +43,14 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     if name != "auto" and name not in _LOADERS:
         raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return _resolve(name, device_type)
+    key = (name, device_type, torch.compiler.is_compiling())
+    if key not in _RESOLVED:  # both versions at once, so that a trace finds its own
+        backend = _resolve(name, device_type)
+        _RESOLVED[name, device_type, False] = backend
+        _RESOLVED[name, device_type, True] = traceable(backend)
+    return _RESOLVED[key]
 
 
-@functools.cache  # every layer asks on every step: resolve each (name, device type) once
 def _resolve(name: str, device_type: str) -> Backend:
     if name == "auto":
         if device_type == "cuda":
