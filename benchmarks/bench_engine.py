@@ -11,7 +11,8 @@ span: CUDA events around a step's enqueues, so the GPU time from reaching the st
 first work to its last; GPU idle = step - span, the host work that nothing overlaps.
 Modes, in one process: eager, CUDA graphs, CUDA graphs with async scheduling, and that
 with the step under torch.compile (`compiled_async`: `LLM(compile=True)`, whose steps
-with prompts run the compiled step whole instead of piecewise graphs). With
+with prompts run the compiled step whole instead of piecewise graphs) or batch invariant
+(`invariant_async`: `LLM(batch_invariant=True)`). With
 `--tensor-parallel 2` the engine spawns a second rank (NCCL); `--dcp 2` adds decode
 context parallelism over the same two ranks.
 
@@ -216,7 +217,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
     parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async",
-                        help="comma-separated, of those and compiled_async")
+                        help="comma-separated, of those, compiled_async and invariant_async")
     parser.add_argument("--arrivals", type=int, default=0,
                         help="also time steps that add a prompt of this many tokens each")
     parser.add_argument("--tensor-parallel", type=int, default=1)
@@ -232,19 +233,21 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "runs": {}}
     with tempfile.TemporaryDirectory() as directory:
         write_tiny_checkpoint(directory, config=config)
-        modes = {"eager": (True, False, False), "cuda_graphs": (False, False, False),
-                 "cuda_graphs_async": (False, True, False),
-                 "compiled_async": (False, True, True)}
+        modes = {"eager": (True, False, ""), "cuda_graphs": (False, False, ""),
+                 "cuda_graphs_async": (False, True, ""),
+                 "compiled_async": (False, True, "compile"),
+                 "invariant_async": (False, True, "batch_invariant")}
         for mode in args.modes.split(","):
-            eager, ahead, compiled = modes[mode]
+            eager, ahead, option = modes[mode]
             start = time.perf_counter()
+            # No warm-up: the timed medians leave out the few steps that compile.
             llm = LLM(directory, dtype=torch.bfloat16, device="cuda", block_size=block_size,
                       max_num_seqs=args.batch + (args.steps + 3 if args.arrivals else 0),
                       max_num_batched_tokens=BATCHED_TOKENS,
                       enforce_eager=eager, num_kv_blocks=kv_blocks, async_scheduling=ahead,
                       tensor_parallel_size=args.tensor_parallel,
-                      decode_context_parallel_size=args.dcp, compile=compiled,
-                      warmup=False)  # medians: the few steps that compile do not count
+                      decode_context_parallel_size=args.dcp, warmup=False,
+                      **({option: True} if option else {}))
             startup_s = time.perf_counter() - start
             results["runs"][mode] = time_steps(llm, args.batch, args.prompt_len, args.steps)
             results["runs"][mode]["startup_s"] = startup_s

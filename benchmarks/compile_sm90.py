@@ -120,6 +120,24 @@ def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
                       starts, 1, context, L, (L + R) ** -0.5)
 
 
+def compile_invariant_decode(tokens: int, heads: int, fp8: bool) -> None:
+    """Build the batch-invariant decode kernel for `tokens` rows of requests at 4096
+    positions, N = heads, DeepSeek widths, a bf16 or fp8 cache."""
+    from pagedmla.cache import FP8_DTYPE
+    from pagedmla.ops.triton import invariant_decode
+
+    L, R, page, context = 512, 64, 64, 4096
+    blocks = tokens * context // page
+    data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
+    q = torch.zeros(tokens, heads, L + R, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(tokens, -1)
+    seq_lens = torch.full((tokens,), context, dtype=torch.int32)
+    starts = torch.arange(tokens + 1, dtype=torch.int32)
+    invariant_decode.invariant_decode(q, data.to(FP8_DTYPE) if fp8 else data, torch.ones(()),
+                                      table, seq_lens, starts, 1, context, L,
+                                      (L + R) ** -0.5)
+
+
 def compile_sparse(tokens: int, heads: int, ds_mla: bool) -> None:
     """Build `sparse_decode.sparse_attention`'s kernel for `tokens` decode tokens of
     requests at 4096 positions, top-k 2048, N = heads, DeepSeek widths, a bf16 or
@@ -346,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         fp8_quant,
         index_cache,
         indexer,
+        invariant_decode,
         merge,
         moe,
         norm,
@@ -357,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
     for module in (cache_ops, combine, decode, fp8_gemm, fp8_quant, index_cache, indexer,
-                   merge, moe, norm, prefill, rope, sparse_decode):
+                   invariant_decode, merge, moe, norm, prefill, rope, sparse_decode):
         module.check_device = lambda *tensors: None
         if hasattr(module, "multiprocessor_count"):
             module.multiprocessor_count = lambda device: 132
@@ -384,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
                ("indexer decode 2 tokens, fp8", compile_indexer, (128, 64, 4096)),
                ("indexer prefill, fp8", compile_indexer, (4096, 1, 4096)),
                ("indexer prefill, bf16", compile_indexer, (4096, 1, 4096, False))]
+    builds += [(f"batch-invariant decode {'fp8' if fp8 else 'bf16'}, {heads} heads",
+                compile_invariant_decode, (64, heads, fp8)) for heads in (16, 128)
+               for fp8 in (False, True)]
     builds += [(f"sparse {'fp8_ds_mla' if ds else 'bf16'}, {heads} heads", compile_sparse,
                 (64, heads, ds)) for heads in (16, 128) for ds in (True, False)]
     kinds = ("bf16", "fp8", "fp8_ds_mla")

@@ -139,6 +139,9 @@ class EngineArgs:
     compile_cache_dir: str | None = field(default=None, metadata={
         "help": "where compiled kernels are kept across processes (TRITON_CACHE_DIR; "
         "default: Triton's, ~/.triton/cache)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "a request's tokens and logprobs bitwise the same whatever shares its "
+        "steps and however its prompt is chunked (slower: ops/batch_invariant.py)"})
     route_by_cost: bool = field(default=True, metadata={
         "help": "send short extends to the absorbed MQA path where the cost model "
         "(pagedmla.routing) predicts it cheaper"})
@@ -204,8 +207,11 @@ class EngineArgs:
             raise ValueError(f"backend must be one of {available_backends()}, got "
                              f"{self.backend!r}")
         for name in ("dequantize_weights", "enable_prefix_caching", "async_scheduling",
-                     "enforce_eager", "compile", "warmup", "route_by_cost"):
+                     "enforce_eager", "compile", "warmup", "batch_invariant",
+                     "route_by_cost"):
             boolean(name, getattr(self, name))
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.compile_cache_dir is not None:
             if not isinstance(self.compile_cache_dir, (str, os.PathLike)):
                 raise TypeError("compile_cache_dir must be a directory path, got "
@@ -215,6 +221,18 @@ class EngineArgs:
                 raise ValueError("compile_cache_dir must be a directory path, got ''")
         # torch.Generator.manual_seed's range.
         self.seed = integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
+
+    def _check_batch_invariant(self) -> None:
+        """ValueError for what batch_invariant=True does not combine with."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"batch_invariant=True needs tensor_parallel_size 1 (the "
+                             f"all-reduce's order follows the message size), got "
+                             f"{self.tensor_parallel_size}")
+        if self.compile:
+            raise ValueError("batch_invariant=True and compile=True cannot be combined")
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            raise ValueError("batch_invariant=True supports the auto, bf16/fp16/fp32 and "
+                             "fp8 caches, not fp8_ds_mla")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ from pagedmla.engine.step_loop import LaunchedStep, StepLoop
 from pagedmla.engine.warmup import COMPILED_STEP_CASES, run_cases, warmup_cases
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
+from pagedmla.ops.batch_invariant import ROW_TILE
 from pagedmla.ops.registry import get_backend
 from pagedmla.routing import PathCostModel
 
@@ -133,11 +134,15 @@ class LLM:
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.parallel = None
-        if args.decode_context_parallel_size > 1 and load_config(args.model).indexer:
+        if ((args.decode_context_parallel_size > 1 or args.batch_invariant)
+                and load_config(args.model).indexer):
+            what = ("batch_invariant=True" if args.batch_invariant
+                    else "decode_context_parallel_size > 1")
             raise ValueError(
-                "decode_context_parallel_size > 1 is not supported for sparse-attention "
-                "models (DeepSeek-V3.2, GLM-5): their indexer keys are not spread over "
-                "the ranks; use tensor_parallel_size alone"
+                f"{what} is not supported for sparse-"
+                "attention models (DeepSeek-V3.2, GLM-5): their indexer keys are not "
+                "spread over decode context parallel ranks, and their top-k selection is "
+                "not batch invariant"
             )
         if args.tensor_parallel_size > 1:
             from pagedmla.distributed.runtime import ParallelRuntime
@@ -154,7 +159,9 @@ class LLM:
         self.dtype = dtype
         start = time.perf_counter()
         # The plan knows the rank's weights before any is allocated (nothing is yet).
-        plan = plan_model(args.model, dtype, args.backend,
+        # Every op of a batch-invariant engine comes from the "+invariant" backends.
+        backend = args.backend + ("+invariant" if args.batch_invariant else "")
+        plan = plan_model(args.model, dtype, backend,
                           None if self.parallel is None else self.parallel.sharder(),
                           keep_fp8=not args.dequantize_weights)
         self.config, self.tokenizer = plan.config, plan.tokenizer
@@ -173,7 +180,7 @@ class LLM:
                      router=PathCostModel() if args.route_by_cost else None)
         if index is not None:  # (decode context parallel builders never see one)
             sizes["index_topk"] = index.topk
-        if (device.type == "cuda" and get_backend(args.backend, device).graph_safe
+        if (device.type == "cuda" and get_backend(backend, device).graph_safe
                 and args.decode_context_parallel_size == 1):
             sizes["decode_bound"] = self.max_model_len
         self.builder = (
@@ -248,7 +255,8 @@ class LLM:
                                       self.config.vocab_size,
                                       min(self.max_model_len, args.max_num_batched_tokens),
                                       ranks)))
-        if self._use_graphs(args.enforce_eager, args.backend):
+        self.runner.batch_invariant = args.batch_invariant
+        if self._use_graphs(args.enforce_eager, backend):
             with self.startup.phase("graphs"):
                 self._capture_graphs(args.max_num_seqs, args.max_num_batched_tokens,
                                      block_size)
@@ -319,15 +327,16 @@ class LLM:
         pieces of other steps by token bucket, with the graphs of their decode rows'
         and prompts' attention where decode context parallelism is off."""
         max_blocks = -(-self.max_model_len // block_size)
+        invariant = self.args.batch_invariant  # its forwards are all of ROW_TILE tokens
         self.runner.graphs = DecodeGraphs(
-            self.model, self.caches, capture_sizes(max_num_seqs),
+            self.model, self.caches, [ROW_TILE] if invariant else capture_sizes(max_num_seqs),
             max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
             dcp=self.builder.decode_hook,
         )
         # Not methods of self: the runtime's finalizer must not keep the LLM alive.
         if self.parallel is not None:
             self.parallel.before_close(self.runner.graphs.release)
-        if self.args.compile:  # the compiled step runs whole: its pieces are not captured
+        if self.args.compile or invariant:  # steps that run whole: no pieces
             return
         pieces = PiecewiseGraphs(self.model, self.caches,
                                  token_buckets(max_num_batched_tokens))

@@ -20,6 +20,7 @@ from pagedmla.engine.cuda_graph import DecodeGraphs
 from pagedmla.engine.piecewise import PiecewiseGraphs
 from pagedmla.engine.scheduler import ScheduledBatch
 from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
+from pagedmla.ops.batch_invariant import ROW_TILE
 
 if TYPE_CHECKING:
     from pagedmla.distributed.runtime import ParallelRuntime
@@ -48,6 +49,8 @@ class ModelRunner:
         # and when other steps of up to pieces.max_tokens tokens replay their pieces.
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
+        # Set by a batch-invariant engine: every token a request of its own (`prepare`).
+        self.batch_invariant = False
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
         """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec.
@@ -57,7 +60,9 @@ class ModelRunner:
         int32 mirror and positions and slots are computed with numpy over all T tokens.
         The token that an ``ahead`` batch's entry reads from the step before's samples
         (``sources``) is not known yet: it is 0 here and comes from the device
-        (``device_token_ids``).
+        (``device_token_ids``). In batch-invariant mode every token is a request of
+        one query row over its sequence's cache up to itself, so that its attention
+        is the same whatever else its step holds (`ops/batch_invariant.py`).
         """
         seqs = batch.seqs
         num_new = batch.num_new_tokens
@@ -86,12 +91,15 @@ class ModelRunner:
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(offsets, counts)
         block_size = self.block_manager.block_size
         blocks = table[token_rows, positions // block_size].astype(np.int64)
-        spec = BatchSpec(
-            query_lens=list(num_new),
-            seq_lens=[start + n for start, n in zip(starts, num_new)],
-            block_table=torch.from_numpy(table),
-            slot_mapping=torch.from_numpy(blocks * block_size + positions % block_size),
-        )
+        slots = torch.from_numpy(blocks * block_size + positions % block_size)
+        if self.batch_invariant:
+            spec = BatchSpec(query_lens=[1] * num_tokens, seq_lens=(positions + 1).tolist(),
+                             block_table=torch.from_numpy(table[token_rows]),
+                             slot_mapping=slots)
+        else:
+            spec = BatchSpec(query_lens=list(num_new),
+                             seq_lens=[start + n for start, n in zip(starts, num_new)],
+                             block_table=torch.from_numpy(table), slot_mapping=slots)
         return (
             torch.from_numpy(np.array(token_ids, dtype=np.int64)),
             torch.from_numpy(positions),
@@ -152,6 +160,9 @@ class ModelRunner:
         """Forward prepared host inputs (token_ids [T], positions [T], spec); returns the
         logits [S, vocab] float32 of the S token rows in sample_rows. device_token_ids
         [T] int64 on the device, when given, is fed instead of token_ids."""
+        if self.batch_invariant:
+            return self._execute_invariant(token_ids, positions, spec, sample_rows,
+                                           device_token_ids)
         graphs = self.graphs
         if (
             graphs is not None
@@ -174,6 +185,47 @@ class ModelRunner:
         )
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index)).float()
+
+
+    def _execute_invariant(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spec: BatchSpec,
+        sample_rows: list[int],
+        device_token_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`execute` for a batch-invariant engine: the step's T tokens (each a request of
+        one row, `prepare`) in forwards of exactly ROW_TILE tokens, their logits too, so
+        that every op always sees the same shapes (`ops/batch_invariant.py`). The last
+        forward is padded with rows that write nothing (slot -1) and read one position
+        of the null block; a captured decode graph of ROW_TILE rows runs them where the
+        engine has one."""
+        T = token_ids.shape[0]
+        pad = -T % ROW_TILE
+        ids = token_ids if device_token_ids is None else device_token_ids
+        ids = torch.cat([ids.to(self.device), ids.new_zeros(pad, device=self.device)])
+        host_ids = torch.cat([token_ids, token_ids.new_zeros(pad)])
+        positions = torch.cat([positions, positions.new_zeros(pad)])
+        table = spec.block_table
+        table = torch.cat([table, table.new_zeros(pad, table.shape[1])])
+        slots = torch.cat([spec.slot_mapping, spec.slot_mapping.new_full((pad,), -1)])
+        seq_lens = [*spec.seq_lens, *[1] * pad]
+        logits = []
+        for start in range(0, T + pad, ROW_TILE):
+            rows = slice(start, start + ROW_TILE)
+            chunk = BatchSpec(query_lens=[1] * ROW_TILE, seq_lens=seq_lens[rows],
+                              block_table=table[rows], slot_mapping=slots[rows])
+            if self.graphs is not None:
+                logits.append(self.graphs.run(
+                    host_ids[rows], positions[rows], self.builder.decode_spec(chunk),
+                    list(range(ROW_TILE)), ids[rows]).clone())  # the graph's own buffer
+                continue
+            meta = self.builder.build(chunk, validate=False)
+            hidden = self.model(ids[rows], positions[rows].to(self.device), self.caches, meta)
+            logits.append(self.model.compute_logits(hidden).float())
+        index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return torch.cat(logits).index_select(0, index)
 
 
 class DriverRunner(ModelRunner):

@@ -2,7 +2,9 @@
 
 A backend registers a loader that imports it on first use, so that the reference
 backend needs no `triton` package. `auto` picks, on CUDA devices, the first backend of
-the preference order that imports, and the reference backend elsewhere. While
+the preference order that imports, and the reference backend elsewhere. A name with the
+suffix "+invariant" ("auto+invariant") is that backend made batch invariant
+(`ops/batch_invariant.py`). While
 torch.compile traces a model, each backend is handed out as `ops/opaque.py`'s
 `traceable` version of itself.
 """
@@ -14,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from pagedmla.ops import REFERENCE, Backend
+from pagedmla.ops.batch_invariant import batch_invariant
 from pagedmla.ops.opaque import traceable
 
 _LOADERS: dict[str, Callable[[], Backend]] = {"reference": lambda: REFERENCE}
@@ -39,13 +42,18 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, device: torch.device | str) -> Backend:
-    """The backend called `name`, or for "auto" the best one for `device`."""
-    if name != "auto" and name not in _LOADERS:
-        raise ValueError(f"backend must be one of {available_backends()}, got {name!r}")
+    """The backend called `name`, or for "auto" the best one for `device`; either with
+    "+invariant" appended: that backend, batch invariant."""
+    base, plus, variant = name.partition("+")
+    if (base != "auto" and base not in _LOADERS) or (plus and variant != "invariant"):
+        raise ValueError(f"backend must be one of {available_backends()} (with "
+                         f"'+invariant' or not), got {name!r}")
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (name, device_type, torch.compiler.is_compiling())
     if key not in _RESOLVED:  # both versions at once, so that a trace finds its own
-        backend = _resolve(name, device_type)
+        backend = _resolve(base, device_type)
+        if plus:
+            backend = batch_invariant(backend)
         _RESOLVED[name, device_type, False] = backend
         _RESOLVED[name, device_type, True] = traceable(backend)
     return _RESOLVED[key]
