@@ -156,26 +156,43 @@ def memory_bound(row: dict) -> bool:
 
 
 def decode_table(kernels: dict) -> list[str]:
+    """One row per shape: the bf16 and the fp8 cache side by side. "% of ceiling" is of
+    the HBM read rate where the call is memory-bound (N·q_len ≤ 16), else of the bf16
+    matmul rate; the baselines are the faster of plain PyTorch and 4 splits per request."""
     ceil = kernels["ceilings"]
-    rows = []
+    shapes: dict[str, dict[str, dict]] = {}
     for r in decode_rows(kernels):
+        shapes.setdefault(decode_label(r), {})[r["cache"]] = r
+
+    def ceiling(r: dict | None) -> str:
+        if r is None:
+            return ""
+        if memory_bound(r):
+            return pct(r["pct_ceiling"])
+        return pct(100 * r["tflops"] / ceil["bf16_matmul_tflops"])
+
+    def vs_baseline(r: dict | None) -> str:
+        if r is None:
+            return ""
         baselines = [u for u in (r.get("baseline_us"), r.get("triton_4_splits_us")) if u]
-        read = r.get("same_size_read_us")
-        stage = str(r.get("stage1", "")).capitalize()
+        return times(min(baselines) / r["us"]) if baselines else ""
+
+    rows = []
+    for label, by_cache in shapes.items():
+        bf16, fp8 = by_cache.get("bf16"), by_cache.get("fp8")
+        first = bf16 or fp8
         rows.append([
-            decode_label(r), r["cache"], stage, num(r["us"]), num(r.get("with_plan_us")),
-            num(r["tbps"], 2), pct(r["pct_ceiling"]), pct(r.get("pct_ceiling_clean_l2")),
-            pct(100 * read / r["us"] if read else None), num(r["tflops"], 0),
-            pct(100 * r["tflops"] / ceil["bf16_matmul_tflops"]),
-            times(r.get("fp8_speedup_vs_bf16")), num(r.get("triton_stage1_us")),
-            num(r.get("baseline_us")), num(r.get("triton_4_splits_us")),
-            times(min(baselines) / r["us"] if baselines else None),
+            label, str(first.get("stage1", "")).capitalize(),
+            num(bf16["us"]) if bf16 else "", ceiling(bf16),
+            num(bf16["tflops"], 0) if bf16 else "",
+            num(fp8["us"]) if fp8 else "", ceiling(fp8), num(fp8["tflops"], 0) if fp8 else "",
+            times(fp8.get("fp8_speedup_vs_bf16")) if fp8 else "",
+            num(first.get("triton_stage1_us")), vs_baseline(bf16), vs_baseline(fp8),
         ])
-    header = ["batch", "cache", "stage 1", "µs", "+ plan µs", "TB/s", "% HBM read",
-              "% HBM read, clean L2", "% of a same-size read", "TFLOP/s", "% matmul",
-              "fp8 speed-up", "Triton kernel µs", "gather + bmm µs", "Triton, 4 splits µs",
-              "vs strongest baseline"]
-    return table(header, rows, left=3)
+    header = ["batch", "stage 1", "bf16 µs", "% of ceiling", "TFLOP/s", "fp8 µs",
+              "% of ceiling", "TFLOP/s", "fp8 speed-up", "Triton kernel µs (bf16)",
+              "vs strongest baseline (bf16)", "(fp8)"]
+    return table(header, rows, left=2)
 
 
 def reference_note(kernels: dict) -> str:
@@ -196,20 +213,31 @@ def plan_rows(plan: list[dict], variant: str = "auto") -> dict[tuple, dict]:
 
 
 def plan_table(plan: list[dict]) -> list[str]:
+    """One row per batch and N: the bf16 and the fp8 cache side by side, each against the
+    same plan without its even and persistent layouts (one split per program)."""
     ours, scored = plan_rows(plan), plan_rows(plan, "scored")
-    rows = []
+    shapes: dict[tuple[str, int], dict[str, dict]] = {}
     for (cache, heads, batch), r in ours.items():
-        other = scored.get((cache, heads, batch))
-        bf16 = ours.get(("bf16", heads, batch)) if cache == "fp8" else None
-        rows.append([
-            batch.replace(" x ", " × "), str(heads), cache, num(r["us"]), num(r["tflops"], 0),
-            str(r["pieces"]), "yes" if r.get("even") else "",
-            num(other["us"]) if other else "", times(other["us"] / r["us"]) if other else "",
-            times(bf16["us"] / r["us"]) if bf16 else "",
-        ])
-    header = ["batch", "N", "cache", "µs", "TFLOP/s", "splits", "even runs",
-              "one split per program µs", "speed-up", "fp8 speed-up"]
-    return table(header, rows, left=3)
+        shapes.setdefault((batch, heads), {})[cache] = r
+
+    def cells(cache: str, key: tuple[str, int]) -> list[str]:
+        r = shapes[key].get(cache)
+        if r is None:
+            return ["", "", "", ""]
+        other = scored.get((cache, key[1], key[0]))
+        return [num(r["us"]), num(r["tflops"], 0),
+                f"{r['pieces']}{', even' if r.get('even') else ''}",
+                times(other["us"] / r["us"]) if other else ""]
+
+    rows = []
+    for key, by_cache in shapes.items():
+        bf16, fp8 = by_cache.get("bf16"), by_cache.get("fp8")
+        rows.append([key[0].replace(" x ", " × "), str(key[1]), *cells("bf16", key),
+                     *cells("fp8", key),
+                     times(bf16["us"] / fp8["us"]) if bf16 and fp8 else ""])
+    header = ["batch", "N", "bf16 µs", "TFLOP/s", "splits", "vs one split per program",
+              "fp8 µs", "TFLOP/s", "splits", "vs one split per program", "fp8 speed-up"]
+    return table(header, rows, left=2)
 
 
 def plan_batch(batch: str) -> tuple[int, int] | None:
@@ -305,7 +333,9 @@ def routing_lines(routing: dict) -> list[str]:
 # -- engine ------------------------------------------------------------------------------
 
 MODES = {"eager": "eager", "cuda_graphs": "CUDA graphs",
-         "cuda_graphs_async": "CUDA graphs, async scheduling"}
+         "cuda_graphs_async": "CUDA graphs, async scheduling",
+         "compiled_async": "`compile=True`, async scheduling",
+         "invariant_async": "`batch_invariant=True`, async scheduling"}
 
 
 def engine_label(args: dict) -> str:
@@ -337,6 +367,18 @@ def engine_table(runs: list[dict]) -> list[str]:
     header = ["model, batch × context", "mode", "step ms", "host ms", "GPU idle", "tokens/s",
               "vs eager"]
     return table(header, [row for run in runs for row in engine_rows(run)], left=2)
+
+
+def modes_table(run: dict, default: str = "cuda_graphs_async") -> list[str]:
+    """Engine modes against the default one (bench_engine with --arrivals): decode steps
+    and steps that admit a prompt, and LLM(...)'s time without the warm-up."""
+    base = run["runs"][default]
+    rows = [[MODES.get(mode, mode), num(r["step_ms"], 2), times(r["step_ms"] / base["step_ms"]),
+             num(r["mixed_step_ms"], 2), times(r["mixed_step_ms"] / base["mixed_step_ms"]),
+             num(r["startup_s"], 1)]
+            for mode, r in run["runs"].items()]
+    return table(["mode", "decode step ms", "vs default", "step with the prompt ms",
+                  "vs default", "LLM(...) s, no warm-up"], rows)
 
 
 def mixed_table(mixed: dict) -> list[str]:

@@ -22,17 +22,17 @@ METHOD = """- **Counted first.** Each kernel's FLOPs and the fewest bytes it mus
   before every call, so that the inputs come from HBM.
 - **Graph replays.** A decode row times the replay of a CUDA graph of one `mla_decode`
   call (stage 1 and the combine) whose split plan was made before the capture, as every
-  layer of a forward but the first finds it; "+ plan" makes the plan inside the replay
-  (the engine pays that once per forward). Prefill rows time GPU work only: a spin kernel
+  layer of a forward but the first finds it; `with_plan_us` makes the plan inside the
+  replay (the engine pays that once per forward). Prefill rows time GPU work only: a spin kernel
   queued ahead of the timed calls keeps the host's launch work off the clock, and "host
   µs per call" is that work.
 - **Clean L2.** The wipe leaves dirty lines in L2 whose write-back shares HBM with the
-  timed call. The clean-L2 column replays after a wipe that reads 256 MB instead, which
-  is closer to what a decode layer meets inside a model. Verdicts use the standard wipe.
+  timed call. `pct_ceiling_clean_l2` replays after a wipe that reads 256 MB instead,
+  closer to what a decode layer meets inside a model. Verdicts use the standard wipe.
 - **Ceilings in the same run.** HBM read: the faster of `torch.sum` and a plain streaming
-  Triton read of 4 GiB. Device copy. bf16 matmul: 8192³ on random data. "% of a
-  same-size read" compares a decode with a plain read of as many bytes, timed the same
-  way: what any read of that size reaches, fixed costs included.
+  Triton read of 4 GiB. Device copy. bf16 matmul: 8192³ on random data.
+  `same_size_read_us` times a plain read of as many bytes as a decode, the same way:
+  what any read of that size reaches, fixed costs included.
 - **Baselines in the same run.** Decode: plain PyTorch (gather each request's pages,
   bf16 `bmm`, float32 softmax, `bmm`: `torch_decode`), and our Triton kernel with every
   request cut into 4 splits instead of the split plan, as widely used Triton MLA decode
@@ -61,8 +61,12 @@ DECODE = """`mla_decode`, the absorbed MQA over the paged latent cache: L 512, R
 queries, 64-token pages unless noted. On Hopper, stage 1 is a warp-specialized Gluon
 kernel (which one for a cache dtype and N·q_len: [kernels.md](kernels.md)); "Triton
 kernel µs" times the portable Triton kernel on the same call in the same run, the one
-other GPUs run. N·q_len ≤ 16 is memory-bound, N = 128 compute-bound. "fp8 speed-up" is
-the bf16 row's time over the fp8 row's."""
+other GPUs run. N·q_len ≤ 16 is memory-bound: "% of ceiling" is of the HBM read rate;
+above it, of the bf16 matmul rate. "fp8 speed-up" is the bf16 cache's time over the fp8
+cache's; "vs strongest baseline" the faster baseline's time over ours. The raw results
+also hold each row's time with the split plan made inside the replay (`with_plan_us`),
+after a clean L2 (`pct_ceiling_clean_l2`), against a plain read of as many bytes
+(`same_size_read_us`), and each baseline's own time."""
 
 PLOTS = """Plots of this run: [decode bandwidth](results/decode_bandwidth.png),
 [decode TFLOP/s](results/decode_tflops.png), [prefill TFLOP/s](results/prefill_tflops.png)."""
@@ -71,10 +75,10 @@ SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits mat
 an H200's 132 SMs run one program each, and at N = 128 a split takes two programs (two
 head groups of 64 rows). Each batch is captured twice in one process and the two replays
 (stage 1 and the combine, after the L2 wipe) are timed alternately three times, medians
-kept: under the plan the code makes ("µs"; "splits" it made; "even runs": each program
-got an even run of the batch's tiles) and under the same plan without its even and
-persistent layouts, one split per program ("one split per program µs").
-TFLOP/s = 2·N·Σctx·(2L + R) / time."""
+kept: under the plan the code makes ("µs"; the "splits" it made, "even" where each
+program got an even run of the batch's tiles) and under the same plan without its even
+and persistent layouts, one split per program (its time over ours: "vs one split per
+program"). TFLOP/s = 2·N·Σctx·(2L + R) / time."""
 
 PREFILL = """Varlen attention with LSE, qk 192 / v 128 (DeepSeek's widths), bf16. "Gluon
 kernel" is `varlen_attention` as dispatched on Hopper; "backend op" is
@@ -197,8 +201,8 @@ LIMITS = {
     "graphs (3.7 s) dominate; the warm-up takes 1.3 s.",
     "memory_bound": "A one-wave grid pays ~22 µs of fixed cost (the write-back of the "
     "wipe's dirty lines, the slowest SMs, the combine, each program's prologue), which "
-    "weighs on short grids; no plain read of as many bytes reaches 90% either (column "
-    "\"% of a same-size read\").",
+    "weighs on short grids; no plain read of as many bytes reaches 90% either "
+    "(`same_size_read_us` in the raw results).",
     "compute_bound": "The tensor cores: the 64-row kernel's tiles run at ~93% of the "
     "matmul ceiling; past one wave each split adds a start and a float32 partial.",
     "one_long_request": "The tiles take ~30 µs at ~93% of the matmul ceiling; ~21 µs are "

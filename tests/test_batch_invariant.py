@@ -16,17 +16,9 @@ from pagedmla.ops import reference
 from pagedmla.ops.batch_invariant import ROW_TILE, reference_decode
 from pagedmla.testing import make_paged_batch
 from tests.test_engine_parity import _check_against_hf, _prompts
-from tests.tiny_hf import make_hf_model, save_hf_checkpoint
+from tests.tiny_hf import V3, make_hf_model, save_hf_checkpoint
 
-V3 = dict(q_lora_rank=24, rope_interleave=True, n_group=4, topk_group=2, norm_topk_prob=True,
-          routed_scaling_factor=2.5)
 SAMPLED = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    hf = make_hf_model("v3", **V3)
-    return hf, str(save_hf_checkpoint(hf, tmp_path_factory.mktemp("v3")))
 
 
 def _llm(path: str, **kwargs) -> LLM:
@@ -67,8 +59,8 @@ def _invariance(hf, path: str, lens: tuple[int, ...] = (45, 5, 90, 12, 64) + (3,
     assert other.stats.prefill_tokens < len(mine)  # a prefix hit
 
 
-def test_reference_backend_is_batch_invariant(checkpoint) -> None:
-    _invariance(*checkpoint)
+def test_reference_backend_is_batch_invariant(v3_checkpoint) -> None:
+    _invariance(*v3_checkpoint)
 
 
 def test_triton_backend_is_batch_invariant(tmp_path) -> None:
@@ -136,9 +128,9 @@ def test_invariant_decode_matches_the_oracle_row_by_row(backend: str,
     assert torch.equal(part_out, out[1:5]) and torch.equal(part_lse, lse[:, 1:5])
 
 
-def test_forwards_are_row_tiles(checkpoint) -> None:
+def test_forwards_are_row_tiles(v3_checkpoint) -> None:
     """Every forward of a batch-invariant engine has exactly ROW_TILE tokens."""
-    _, path = checkpoint
+    _, path = v3_checkpoint
     llm = _llm(path, max_num_batched_tokens=100)
     sizes = []
     llm.model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
@@ -166,7 +158,7 @@ def test_sparse_models_are_refused(tmp_path) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_batch_invariant_on_cuda(checkpoint, kv_cache_dtype: str) -> None:
+def test_batch_invariant_on_cuda(v3_checkpoint, kv_cache_dtype: str) -> None:
     """bf16 on the GPU, forwards replaying the captured ROW_TILE-row decode graph."""
-    _invariance(*checkpoint, device="cuda", dtype=torch.bfloat16,
+    _invariance(*v3_checkpoint, device="cuda", dtype=torch.bfloat16,
                 kv_cache_dtype=kv_cache_dtype, warmup=False)

@@ -24,14 +24,6 @@ from tests.tiny_hf import make_hf_model, save_hf_checkpoint
 pytestmark = pytest.mark.skipif(not compile_supported(), reason="torch < 2.10")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
-V3 = dict(q_lora_rank=24, rope_interleave=True, n_group=4, topk_group=2, norm_topk_prob=True,
-          routed_scaling_factor=2.5)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    hf = make_hf_model("v3", **V3)
-    return hf, str(save_hf_checkpoint(hf, tmp_path_factory.mktemp("v3")))
 
 
 def _llm(path: str, **kwargs) -> LLM:
@@ -64,11 +56,11 @@ def _recorded(llm: LLM) -> Recorder:
     return recorder
 
 
-def test_compiled_engine_matches_transformers_and_eager(checkpoint) -> None:
+def test_compiled_engine_matches_transformers_and_eager(v3_checkpoint) -> None:
     """Inductor on the CPU: chunked prefill over a 16-token budget and 16-row context
     chunks, a shared prefix hit by later prompts, mixed steps; the tokens and logprobs of
     transformers and of the eager engine."""
-    hf, path = checkpoint
+    hf, path = v3_checkpoint
     prompts = _prompts(97, [3, 17, 40, 9, 30], seed=3, shared_prefix=24)
     eager = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
     compiled = _llm(path, compile=True).generate(prompts, GREEDY, use_tqdm=False)
@@ -76,11 +68,11 @@ def test_compiled_engine_matches_transformers_and_eager(checkpoint) -> None:
     assert_same_completions(eager, compiled, tol=1e-4)
 
 
-def test_one_graph_per_token_count_class_with_opaque_attention(checkpoint) -> None:
+def test_one_graph_per_token_count_class_with_opaque_attention(v3_checkpoint) -> None:
     """No graph break (fullgraph), two graphs for steps of any size (one token, more),
     each with one attention op per layer and one experts op per MoE layer, and no
     recompilation as batches change."""
-    hf, path = checkpoint
+    hf, path = v3_checkpoint
     llm = _llm(path, warmup=False)
     recorder = _recorded(llm)
     for seed, lens in enumerate(([5], [3, 17, 40], [9, 30, 2, 11], [64])):
@@ -122,10 +114,10 @@ def test_block_fp8_weights_compile(tmp_path) -> None:
     assert all(recorder.count(graph, "fp8_linear") > 0 for graph in recorder.graphs)
 
 
-def test_tensor_parallel_compiles(checkpoint) -> None:
+def test_tensor_parallel_compiles(v3_checkpoint) -> None:
     """Two gloo ranks, each compiling its shard (the all-reduces traced): one process's
     eager tokens."""
-    _, path = checkpoint
+    _, path = v3_checkpoint
     prompts = _prompts(97, [17, 40], seed=9)
     one = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
     with _llm(path, tensor_parallel_size=2, compile=True) as parallel:
@@ -141,10 +133,10 @@ def test_compile_must_be_a_bool() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_engine_on_cuda_matches_eager(checkpoint, dtype) -> None:
+def test_compiled_engine_on_cuda_matches_eager(v3_checkpoint, dtype) -> None:
     """On the GPU, with decode steps replaying CUDA graphs captured around the compiled
     step: the eager engine's tokens (float32: transformers' too)."""
-    hf, path = checkpoint
+    hf, path = v3_checkpoint
     prompts = _prompts(97, [3, 17, 40, 9, 30], seed=11, shared_prefix=16)
     options = dict(device="cuda", dtype=dtype, max_num_seqs=8, warmup=False)
     eager = _llm(path, **options).generate(prompts, GREEDY, use_tqdm=False)

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from pagedmla import LLM, SamplingParams
 from tests.engine_helpers import ahead_steps
-from tests.tiny_hf import hf_logprobs, make_hf_model, save_hf_checkpoint
+from tests.tiny_hf import V3, hf_logprobs, make_hf_model, save_hf_checkpoint
 
 LOGPROB_TOL = 2e-3
 PROMPT_LENS = [3, 17, 40, 9, 64]
@@ -48,8 +48,7 @@ def _check_against_hf(hf, prompts, outputs, tol=LOGPROB_TOL, exact_tokens=True) 
 @pytest.fixture(scope="module", params=["v3", "v2"])
 def checkpoint(request, tmp_path_factory):
     overrides = (
-        dict(q_lora_rank=24, rope_interleave=True, n_group=4, topk_group=2,
-             norm_topk_prob=True, routed_scaling_factor=2.5)
+        V3
         if request.param == "v3"
         else dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2)
     )

@@ -17,6 +17,10 @@ COMMON = dict(
     num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
 )
 
+# DeepSeek-V3's options on top: q LoRA, interleaved rope, group-limited routing.
+V3 = dict(q_lora_rank=24, rope_interleave=True, n_group=4, topk_group=2, norm_topk_prob=True,
+          routed_scaling_factor=2.5)
+
 
 # The sparse-attention models: an indexer of 8 heads (ReLU scores then rarely tie) whose
 # top-k is smaller than the test prompts, so that the selection matters.
