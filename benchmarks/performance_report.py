@@ -41,6 +41,7 @@ from benchmarks.performance_tables import (
     merge_rows,
     merge_table,
     mixed_table,
+    modes_table,
     moe_ceilings,
     num,
     pct,
@@ -68,6 +69,7 @@ FP8_GEMM, FP8_MOE, V3_LAYERS = "fp8_gemm_h100.json", "moe_fp8_h100.json", "v3_la
 MEMORY_PLAN = "memory_plan.json"
 SPARSE_DECODE, SPARSE_PREFILL = "sparse_decode_h100.json", "sparse_prefill_h100.json"
 INDEXER = "indexer_h100.json"
+ENGINE_MODES = ("engine_modes_h200.json", "engine_modes_h100.json")
 STARTUP_COLD, STARTUP_WARM = "startup_cold_h100.json", "startup_warm_h100.json"
 
 
@@ -309,6 +311,15 @@ def startup_section(res: Results) -> list[str]:
             *startup.first_call_table(cold, warm)]
 
 
+def modes_section(res: Results) -> list[str]:
+    """torch.compile and batch invariance against the default mode, where measured."""
+    for name in ENGINE_MODES:
+        if res.has(name):
+            return ["### torch.compile and batch invariance", res.source(name), "",
+                    text.MODES, "", *modes_table(res.load(name))]
+    return []
+
+
 def render_performance(res: Results) -> str:
     kernels = res.load("kernels_h200.json")
     parallel = engine_table([res.load("engine_tp2_2xh200.json"),
@@ -334,6 +345,7 @@ def render_performance(res: Results) -> str:
         "", text.ENGINE, "", *engine,
         "### Steps that admit a prompt", res.source("engine_mixed_h200.json"), "",
         text.MIXED, "", *mixed_table(res.load("engine_mixed_h200.json")),
+        *modes_section(res),
         "## Parallel", res.source("engine_tp2_2xh200.json"),
         res.source("engine_tp2_dcp2_2xh200.json"), "", text.PARALLEL, "", *parallel,
         "### Decode context parallelism, eager steps", res.source("dcp_2xh200.json"), "",

@@ -377,8 +377,8 @@ def modes_table(run: dict, default: str = "cuda_graphs_async") -> list[str]:
              num(r["mixed_step_ms"], 2), times(r["mixed_step_ms"] / base["mixed_step_ms"]),
              num(r["startup_s"], 1)]
             for mode, r in run["runs"].items()]
-    return table(["mode", "decode step ms", "vs default", "step with the prompt ms",
-                  "vs default", "LLM(...) s, no warm-up"], rows)
+    return table(["mode", "decode step ms", "÷ default's", "step with the prompt ms",
+                  "÷ default's", "LLM(...) s, no warm-up"], rows)
 
 
 def mixed_table(mixed: dict) -> list[str]:

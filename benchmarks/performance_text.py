@@ -189,6 +189,14 @@ STARTUP = """From an empty compile cache, then from the one it filled (~70 MB); 
 layers of V2-Lite attention, bf16. Phases: design.md, Start-up. Each workload runs twice on
 fresh random prompts, first right after `LLM(...)`; variants: built or loaded from disk."""
 
+MODES = """The engine of the table above (8 layers, batch 128, context ~1k) in the default
+mode and in two others, one process: `compile=True` (the step under torch.compile,
+attention opaque; decode steps replay CUDA graphs captured around it, steps with a prompt
+run it whole, without piecewise graphs) and `batch_invariant=True` (forwards of 64
+tokens, every token a decode row, `invariant_decode`). Steps with the prompt: the
+decodes and one 256-token prompt. `LLM(...)` without the warm-up, so with the compile's
+own time for `compile=True`."""
+
 # What bounds the kernel or the engine where a target is missed: one line each, the
 # evidence being the kernels' profiles and same-run A/Bs.
 LIMITS = {

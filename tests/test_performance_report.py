@@ -179,3 +179,25 @@ def test_fp8_sections_render_from_their_results(tmp_path: Path) -> None:
     for path in results.glob("*.json"):
         if path.name != "provenance.json":
             assert f"(results/{path.name})" in text, path.name
+
+
+def test_engine_modes_render_against_the_default(tmp_path: Path) -> None:
+    """bench_engine's compile and batch-invariant modes, each step time over the default
+    mode's of the same run."""
+    results = tmp_path / "results"
+    shutil.copytree(report.RESULTS, results)
+    for name in report.ENGINE_MODES:
+        (results / name).unlink(missing_ok=True)
+    assert "### torch.compile" not in report.render_performance(tables.Results(results))
+
+    def run(step: float, mixed: float) -> dict:
+        return {"step_ms": step, "mixed_step_ms": mixed, "startup_s": 9.0}
+
+    modes = {"gpu": "NVIDIA H200", "args": {"batch": 128},
+             "runs": {"cuda_graphs_async": run(3.0, 6.0), "compiled_async": run(2.4, 7.5),
+                      "invariant_async": run(6.0, 18.0)}}
+    (results / report.ENGINE_MODES[0]).write_text(json.dumps(modes))
+    text = report.render_performance(tables.Results(results))
+    assert "### torch.compile and batch invariance" in text
+    assert "| `compile=True`, async scheduling | 2.40 | 0.80x | 7.50 | 1.25x | 9.0 |" in text
+    assert "| `batch_invariant=True`, async scheduling | 6.00 | 2.00x | 18.00 | 3.00x |" in text
