@@ -19,7 +19,7 @@ from pagedmla.attention.opaque import compile_supported
 from pagedmla.models.tiny import write_tiny_checkpoint
 from tests.engine_helpers import assert_same_completions
 from tests.test_engine_parity import _check_against_hf, _prompts
-from tests.tiny_hf import make_hf_model, save_hf_checkpoint
+from tests.tiny_hf import V3, make_hf_model, save_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(not compile_supported(), reason="torch < 2.10")
 
@@ -128,6 +128,32 @@ def test_tensor_parallel_compiles(v3_checkpoint) -> None:
 def test_compile_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="compile"):
         EngineArgs(compile="yes")
+
+
+def test_a_short_max_model_len_warms_up(v3_checkpoint) -> None:
+    """The CPU warm-up's steps fit max_model_len (3: a one-token prompt and its token)."""
+    hf, path = v3_checkpoint
+    llm = _llm(path, compile=True, max_model_len=3)
+    prompts = _prompts(97, [2], seed=12)
+    _check_against_hf(hf, prompts, llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1), use_tqdm=False))
+
+
+def test_many_compiled_models_in_one_process(tmp_path) -> None:
+    """Each model configuration adds its graphs of the same compiled function: more than
+    Dynamo's default limit of graphs per function (8) still compile (recording backend:
+    six configurations, twelve graphs)."""
+    prompts = _prompts(97, [5], seed=13)  # a step of 5 tokens, then steps of 1
+    torch._dynamo.reset()
+    recorder = Recorder()  # one backend, as compile=True's Inductor is one
+    for layers in (3, 2):
+        path = str(save_hf_checkpoint(make_hf_model("v3", num_hidden_layers=layers, **V3),
+                                      tmp_path / str(layers)))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            llm = _llm(path, dtype=dtype, warmup=False)
+            llm.model.decoder.enable_compile(backend=recorder)
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(recorder.graphs) == 12
 
 
 @pytest.mark.cuda

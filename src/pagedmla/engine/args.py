@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pagedmla.attention.opaque import compile_supported
 from pagedmla.cache import FP8_DTYPE, MODEL_DTYPES, resolve_cache_dtype
 from pagedmla.distributed.state import check_parallel_sizes
 from pagedmla.ops.registry import available_backends
@@ -141,7 +142,8 @@ class EngineArgs:
         "default: Triton's, ~/.triton/cache)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "a request's tokens and logprobs bitwise the same whatever shares its "
-        "steps and however its prompt is chunked (slower: ops/batch_invariant.py)"})
+        "steps and however its prompt is chunked; a sampled request's given a seed "
+        "(slower: ops/batch_invariant.py)"})
     route_by_cost: bool = field(default=True, metadata={
         "help": "send short extends to the absorbed MQA path where the cost model "
         "(pagedmla.routing) predicts it cheaper"})
@@ -212,6 +214,9 @@ class EngineArgs:
             boolean(name, getattr(self, name))
         if self.batch_invariant:
             self._check_batch_invariant()
+        if self.compile and not compile_supported():
+            raise ValueError(f"compile=True needs torch >= 2.10 (custom ops that take Python "
+                             f"objects), this is torch {torch.__version__}")
         if self.compile_cache_dir is not None:
             if not isinstance(self.compile_cache_dir, (str, os.PathLike)):
                 raise TypeError("compile_cache_dir must be a directory path, got "

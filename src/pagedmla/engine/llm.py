@@ -51,7 +51,7 @@ from pagedmla.engine.scheduler import ScheduledBatch, Scheduler
 from pagedmla.engine.sequence import Sequence
 from pagedmla.engine.startup import CompileLog, StartupReport, use_compile_cache
 from pagedmla.engine.step_loop import LaunchedStep, StepLoop
-from pagedmla.engine.warmup import COMPILED_STEP_CASES, run_cases, warmup_cases
+from pagedmla.engine.warmup import compiled_step_cases, run_cases, warmup_cases
 from pagedmla.metadata import MLAMetadataBuilder
 from pagedmla.models.loader import load_config, load_planned, plan_model
 from pagedmla.ops.batch_invariant import ROW_TILE
@@ -290,9 +290,12 @@ class LLM:
         generator (and torch's) at its seed. Under torchrun every rank calls this (the
         others serve the driver's steps); spawned workers run the driver's steps."""
         manager = self.block_manager
-        cases = COMPILED_STEP_CASES if self.device.type != "cuda" else warmup_cases(
-            self.max_model_len, self.args.max_num_seqs, self.args.max_num_batched_tokens,
-            self.args.enable_prefix_caching, manager.num_usable_blocks * manager.block_size)
+        cases = compiled_step_cases(self.max_model_len)
+        if self.device.type == "cuda":
+            cases = warmup_cases(self.max_model_len, self.args.max_num_seqs,
+                                 self.args.max_num_batched_tokens,
+                                 self.args.enable_prefix_caching,
+                                 manager.num_usable_blocks * manager.block_size)
         run_cases(self.generate, cases, self.config.vocab_size, show_progress)
         manager.reset()
         self.scheduler.num_preemptions = 0

@@ -200,7 +200,7 @@ class ModelRunner:
         that every op always sees the same shapes (`ops/batch_invariant.py`). The last
         forward is padded with rows that write nothing (slot -1) and read one position
         of the null block; a captured decode graph of ROW_TILE rows runs them where the
-        engine has one."""
+        engine has one. sample_rows ascending, as `sample_rows` gives them."""
         T = token_ids.shape[0]
         pad = -T % ROW_TILE
         ids = token_ids if device_token_ids is None else device_token_ids
@@ -216,16 +216,21 @@ class ModelRunner:
             rows = slice(start, start + ROW_TILE)
             chunk = BatchSpec(query_lens=[1] * ROW_TILE, seq_lens=seq_lens[rows],
                               block_table=table[rows], slot_mapping=slots[rows])
+            # Logits of all ROW_TILE rows (one shape), kept for the rows sampled only.
+            keep = [row - start for row in sample_rows if start <= row < start + ROW_TILE]
             if self.graphs is not None:
-                logits.append(self.graphs.run(
-                    host_ids[rows], positions[rows], self.builder.decode_spec(chunk),
-                    list(range(ROW_TILE)), ids[rows]).clone())  # the graph's own buffer
-                continue
-            meta = self.builder.build(chunk, validate=False)
-            hidden = self.model(ids[rows], positions[rows].to(self.device), self.caches, meta)
-            logits.append(self.model.compute_logits(hidden).float())
-        index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return torch.cat(logits).index_select(0, index)
+                every = self.graphs.run(host_ids[rows], positions[rows],
+                                        self.builder.decode_spec(chunk),
+                                        list(range(ROW_TILE)), ids[rows])
+            else:
+                meta = self.builder.build(chunk, validate=False)
+                hidden = self.model(ids[rows], positions[rows].to(self.device), self.caches,
+                                    meta)
+                every = self.model.compute_logits(hidden).float()
+            # A copy (index_select): a replayed graph's logits live in its own buffer.
+            index = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits.append(every.index_select(0, index))
+        return torch.cat(logits)
 
 
 class DriverRunner(ModelRunner):

@@ -17,7 +17,7 @@ context, prefix hits, the absorbed MQA route, sampling) are the ones that serve 
 `benchmarks/bench_startup.py` counts the variants built after start-up.
 
 `LLM.warm_up` runs them (on the CPU, where only a torch.compile'd step compiles,
-`COMPILED_STEP_CASES`), then starts over as new: the prefix cache is emptied, the
+`compiled_step_cases`), then starts over as new: the prefix cache is emptied, the
 request ids, the statistics and the sampling generator start over.
 """
 
@@ -57,9 +57,14 @@ class WarmupCase:
     params: SamplingParams | None = None
 
 
-# Where no kernel compiles on first use (the CPU), a compiled step's graphs: one for
-# steps of a single token, one for all longer ones (token counts are dynamic).
-COMPILED_STEP_CASES = [WarmupCase("compiled steps", [2], max_tokens=2)]
+def compiled_step_cases(max_model_len: int) -> list[WarmupCase]:
+    """Where no kernel compiles on first use (the CPU), a torch.compile'd step's two
+    graphs: a step of two one-token prompts, then one of a single token (token counts are
+    dynamic past one); none where a prompt and its token do not fit max_model_len."""
+    if max_model_len < 2:
+        return []
+    return [WarmupCase("compiled step, 2 tokens", [1, 1], max_tokens=1),
+            WarmupCase("compiled step, 1 token", [1], max_tokens=1)]
 
 
 def _pow2_ladder(low: int, high: int) -> list[int]:

@@ -273,6 +273,11 @@ class DeepseekForCausalLM(nn.Module):
         if not compile_supported():
             raise RuntimeError(f"compile=True needs torch >= 2.10 (custom ops taking "
                                f"Python objects), this is torch {torch.__version__}")
+        # Dynamo keeps the graphs of `_run_layers` for every model of the process (two
+        # each: one token, more); a process that builds several engines (a notebook, a
+        # test run) would pass its default limit of 8 and fail (fullgraph).
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 64)
         self._layers = torch.compile(self._run_layers, fullgraph=True, dynamic=True,
                                      backend=backend)
 

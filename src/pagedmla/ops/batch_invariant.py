@@ -15,8 +15,10 @@ whose work per row follows other rows, which `batch_invariant(backend)` replaces
   Triton backend runs `ops/triton/invariant_decode.py`, which walks each row's positions
   in order.
 - `fused_experts` of the reference backend gathers each expert's tokens, so its matmuls'
-  shapes follow the routing of the others: it runs token by token. (The Triton kernel's
-  tiles treat rows independently and its configuration follows the token count, fixed.)
+  shapes follow the routing of the others: it runs token by token, as do block-fp8
+  experts on GPUs without fp8 dots, where the Triton op falls back to the reference.
+  (The Triton kernels' tiles treat rows independently and their configuration follows
+  the token count, fixed.)
 
 A prompt then attends the same way however it is chunked: its tokens read their keys
 from the cache, in the same order, whatever step they run in.
@@ -78,6 +80,14 @@ def batch_invariant(backend: Backend) -> Backend:
     if backend.name == "reference":
         return replace(backend, name="reference+invariant", mla_decode=reference_decode,
                        fused_experts=reference_experts)
+    from pagedmla.ops.triton.fp8_quant import fp8_dot_runs
     from pagedmla.ops.triton.invariant_decode import invariant_decode
 
-    return replace(backend, name=f"{backend.name}+invariant", mla_decode=invariant_decode)
+    def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor, **fp8: object) -> torch.Tensor:
+        if fp8.get("w13_scale_inv") is not None and not fp8_dot_runs(x.device):
+            return reference_experts(x, w13, w2, weights, ids, **fp8)
+        return backend.fused_experts(x, w13, w2, weights, ids, **fp8)
+
+    return replace(backend, name=f"{backend.name}+invariant", mla_decode=invariant_decode,
+                   fused_experts=fused_experts)
