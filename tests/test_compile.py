@@ -115,12 +115,14 @@ def test_block_fp8_weights_compile(tmp_path) -> None:
 
 
 def test_tensor_parallel_compiles(v3_checkpoint) -> None:
-    """Two gloo ranks, each compiling its shard (the all-reduces traced): one process's
+    """Two gloo ranks, each compiling its shard (the all-reduces traced), with decode
+    context parallelism over both (its gathers inside the attention op): one process's
     eager tokens."""
     _, path = v3_checkpoint
     prompts = _prompts(97, [17, 40], seed=9)
     one = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
-    with _llm(path, tensor_parallel_size=2, compile=True) as parallel:
+    with _llm(path, tensor_parallel_size=2, decode_context_parallel_size=2,
+              compile=True) as parallel:
         assert_same_completions(one, parallel.generate(prompts, GREEDY, use_tqdm=False),
                                 tol=1e-4)
 
