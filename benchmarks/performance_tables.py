@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,31 +214,24 @@ def plan_rows(plan: list[dict], variant: str = "auto") -> dict[tuple, dict]:
 
 
 def plan_table(plan: list[dict]) -> list[str]:
-    """One row per batch and N: the bf16 and the fp8 cache side by side, each against the
-    same plan without its even and persistent layouts (one split per program)."""
+    """Per cache dtype, over the batches measured: the plan's time against the same plan
+    without its even and persistent layouts (one split per program), and the TFLOP/s of
+    the compute-bound batches (N = 128)."""
     ours, scored = plan_rows(plan), plan_rows(plan, "scored")
-    shapes: dict[tuple[str, int], dict[str, dict]] = {}
-    for (cache, heads, batch), r in ours.items():
-        shapes.setdefault((batch, heads), {})[cache] = r
-
-    def cells(cache: str, key: tuple[str, int]) -> list[str]:
-        r = shapes[key].get(cache)
-        if r is None:
-            return ["", "", "", ""]
-        other = scored.get((cache, key[1], key[0]))
-        return [num(r["us"]), num(r["tflops"], 0),
-                f"{r['pieces']}{', even' if r.get('even') else ''}",
-                times(other["us"] / r["us"]) if other else ""]
-
     rows = []
-    for key, by_cache in shapes.items():
-        bf16, fp8 = by_cache.get("bf16"), by_cache.get("fp8")
-        rows.append([key[0].replace(" x ", " × "), str(key[1]), *cells("bf16", key),
-                     *cells("fp8", key),
-                     times(bf16["us"] / fp8["us"]) if bf16 and fp8 else ""])
-    header = ["batch", "N", "bf16 µs", "TFLOP/s", "splits", "vs one split per program",
-              "fp8 µs", "TFLOP/s", "splits", "vs one split per program", "fp8 speed-up"]
-    return table(header, rows, left=2)
+    for cache in ("bf16", "fp8"):
+        gains = sorted((scored[key]["us"] / r["us"], key[2].replace(" x ", " × "), key[1])
+                       for key, r in ours.items() if key[0] == cache and key in scored)
+        if not gains:
+            continue
+        tflops = [r["tflops"] for key, r in ours.items() if key[0] == cache and key[1] == 128]
+        worst, best = gains[0], gains[-1]
+        rows.append([cache, str(len(gains)), times(statistics.median(g for g, *_ in gains)),
+                     f"{times(best[0])} ({best[1]}, N {best[2]})",
+                     f"{times(worst[0])} ({worst[1]}, N {worst[2]})",
+                     f"{num(min(tflops), 0)}-{num(max(tflops), 0)}" if tflops else ""])
+    return table(["cache", "batches", "median speed-up", "best", "worst",
+                  "TFLOP/s at N 128"], rows)
 
 
 def plan_batch(batch: str) -> tuple[int, int] | None:

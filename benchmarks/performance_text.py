@@ -75,10 +75,10 @@ SPLIT_PLAN = """Batches past one wave of programs, where the cut into splits mat
 an H200's 132 SMs run one program each, and at N = 128 a split takes two programs (two
 head groups of 64 rows). Each batch is captured twice in one process and the two replays
 (stage 1 and the combine, after the L2 wipe) are timed alternately three times, medians
-kept: under the plan the code makes ("µs"; the "splits" it made, "even" where each
-program got an even run of the batch's tiles) and under the same plan without its even
-and persistent layouts, one split per program (its time over ours: "vs one split per
-program"). TFLOP/s = 2·N·Σctx·(2L + R) / time."""
+kept: under the plan the code makes and under the same plan without its even and
+persistent layouts, one split per program; the speed-up is the latter's time over the
+former's. TFLOP/s = 2·N·Σctx·(2L + R) / time. Each batch's times, splits and layout are
+in the raw results."""
 
 PREFILL = """Varlen attention with LSE, qk 192 / v 128 (DeepSeek's widths), bf16. "Gluon
 kernel" is `varlen_attention` as dispatched on Hopper; "backend op" is
@@ -148,21 +148,16 @@ layers between them, so that the embedding, the LM head and sampling drop out. "
 is planning and reading the weights (`LLM.memory`); decode steps run over the run's
 prompts (`--prompt-len`)."""
 
-MEMORY_PLAN = """DeepSeek-V3/R1 whole (61 layers, the first 3 dense; the multi-token
-prediction layer is not loaded) at tensor parallel 8 on one node, **computed, not
-measured**, by `benchmarks/memory_plan.py` on the CPU. Weights per GPU: each rank's
-model is built on the meta device and sharded as the engine shards it, and its tensors
-are summed with the W_UK and W_UV it derives, as `LLM.memory` counts them; the largest
-rank's share is the GPU's. KV tokens per GPU: whole 64-token blocks in what the engine
-sizes the cache from, gpu_memory_utilization of the card (H200 143,771 MiB, H100 81,559
-MiB) less the weights and the chunked-prefill workspace, at the engine's defaults. The
-CUDA context, activations, CUDA graph pools and the decode context parallel gather
-buffers are not counted (the engine sizes the cache from the memory left after them),
-so a run holds somewhat fewer tokens. Without decode context parallelism every rank
-holds every token's latent (MLA has one latent per token, not split by heads), so the
-node holds what one GPU holds; with DCP 8 each token's latent lives on one rank of the
-group, and the node holds eight times as many. "does not fit": the GiB missing for the
-weights, the workspace and the smallest cache (2 blocks)."""
+MEMORY_PLAN = """DeepSeek-V3/R1 whole (61 layers; the multi-token prediction layer is not
+loaded) at tensor parallel 8 on one node, **computed on the CPU, not measured**
+(`benchmarks/memory_plan.py`): each rank's model is built on the meta device and sharded
+as the engine shards it (W_UK and W_UV included, as `LLM.memory` counts them); the KV
+tokens are whole 64-token blocks in gpu_memory_utilization of the card (H200 143,771 MiB,
+H100 81,559 MiB) less the weights and the prefill workspace. The CUDA context,
+activations and graph pools are not counted, so a run holds somewhat fewer. Without DCP
+every rank holds every token's latent (one per token, not split by heads); with DCP 8
+the node holds eight times as many. "does not fit": the GiB missing for the weights, the
+workspace and the smallest cache."""
 
 SPARSE = """`sparse_attention` (`ops/triton/sparse_decode.py`, a portable Triton kernel): each query
 token attends the top-k 2048 positions its indexer picked (64-token pages in random
