@@ -14,44 +14,32 @@ file is rendered by `python -m benchmarks.performance_report` from the result fi
 commit measured, and the command that runs its benchmark. Which kernel runs on which
 GPU: [kernels.md](kernels.md); how the code is built: [design.md](design.md)."""
 
-METHOD = """- **Counted first.** Each kernel's FLOPs and the fewest bytes it must move are counted
-  before it is timed. Decode reads every cache row once, plus q and the output; its FLOPs
-  are 2·N·q_len·Σctx·(L + R) for the scores and 2·N·q_len·Σctx·L for the values.
+METHOD = """- **Counted first.** FLOPs and the fewest bytes each kernel must move are counted
+  before it is timed: decode reads every cache row once, plus q and the output, and does
+  2·N·q_len·Σctx·(L + R) FLOPs for the scores and 2·N·q_len·Σctx·L for the values.
 - **Timed on the device.** Medians of CUDA-event timings after warm-up
-  (`triton.testing.do_bench`), which writes a 256 MB buffer, several times the L2 cache,
-  before every call, so that the inputs come from HBM.
-- **Graph replays.** A decode row times the replay of a CUDA graph of one `mla_decode`
-  call (stage 1 and the combine) whose split plan was made before the capture, as every
-  layer of a forward but the first finds it; `with_plan_us` makes the plan inside the
-  replay (the engine pays that once per forward). Prefill rows time GPU work only: a spin kernel
-  queued ahead of the timed calls keeps the host's launch work off the clock, and "host
-  µs per call" is that work.
-- **Clean L2.** The wipe leaves dirty lines in L2 whose write-back shares HBM with the
-  timed call. `pct_ceiling_clean_l2` replays after a wipe that reads 256 MB instead,
-  closer to what a decode layer meets inside a model. Verdicts use the standard wipe.
-- **Ceilings in the same run.** HBM read: the faster of `torch.sum` and a plain streaming
-  Triton read of 4 GiB. Device copy. bf16 matmul: 8192³ on random data.
-  `same_size_read_us` times a plain read of as many bytes as a decode, the same way:
-  what any read of that size reaches, fixed costs included.
-- **Baselines in the same run.** Decode: plain PyTorch (gather each request's pages,
-  bf16 `bmm`, float32 softmax, `bmm`: `torch_decode`), and our Triton kernel with every
-  request cut into 4 splits instead of the split plan, as widely used Triton MLA decode
-  kernels split. "vs strongest baseline" is the faster baseline's time over ours.
-  Prefill: PyTorch SDPA on cuDNN. Merge: `torch.compile` of the reference. Routed
-  experts: the reference op and a dense form.
-- **Spread.** Between runs of unchanged code, rows move by up to 3-5% (the 64-row kernel
-  at 128 × 8k by up to 15% between processes), so a change is judged by an A/B within one
-  run on one card. The fp8 16-row kernel follows the SM clock, which the card lowers at
-  its power cap under sustained load; the kernel benchmark records the clock of each row
-  (`sm_mhz`).
+  (`triton.testing.do_bench`, which writes 256 MB, several L2s, before every call). A
+  decode row replays a CUDA graph of one `mla_decode` (stage 1 and the combine) planned
+  before the capture, as every layer but a forward's first finds it (`with_plan_us`:
+  planned inside the replay). Prefill rows time GPU work only (a spin kernel queued
+  ahead keeps the host's launches off the clock; "host µs per call" is that work).
+- **Clean L2.** The wipe leaves dirty lines whose write-back shares HBM with the timed
+  call; `pct_ceiling_clean_l2` wipes by reading instead. Verdicts use the standard wipe.
+- **Ceilings and baselines in the same run.** HBM read: the faster of `torch.sum` and a
+  plain Triton read of 4 GiB; device copy; bf16 matmul 8192³ (`same_size_read_us`: a
+  plain read of a decode's bytes, fixed costs included). Decode baselines: plain PyTorch
+  (`torch_decode`: gather, `bmm`, float32 softmax, `bmm`) and our Triton kernel with 4
+  splits per request, as common Triton MLA kernels split; "vs strongest baseline" is the
+  faster one's time over ours. Prefill: PyTorch SDPA on cuDNN. Merge: `torch.compile` of
+  the reference. Routed experts: the reference op and a dense form.
+- **Spread.** Rows of unchanged code move by up to 3-5% between runs (the 64-row kernel
+  at 128 × 8k by up to 15%), so a change is judged by an A/B in one run on one card. The
+  fp8 16-row kernel follows the SM clock, which the power cap lowers (`sm_mhz` per row).
 
-**Checking a change for speed.** Run the kernel benchmark on the base tree and on the
-changed tree one after the other on the same card, while the machine stays up:
-`python -m benchmarks.bench_kernels --out old.json` on the base,
-`python -m benchmarks.bench_kernels --out new.json` on the change, then
-`python -m benchmarks.compare_results old.json new.json`. It matches the rows by shape
-and exits 1 where a row's time moved by more than 3% either way, where a row has no
-partner, or where the two runs chose different kernel configs."""
+**Checking a change for speed.** On one card, while the machine stays up:
+`python -m benchmarks.bench_kernels --out old.json` on the base tree, `--out new.json` on
+the change, then `python -m benchmarks.compare_results old.json new.json`: it exits 1
+where a row moved by more than 3%, has no partner, or ran another kernel config."""
 
 TARGETS_INTRO = """Each verdict is computed from the rows of the tables below that fall
 in the target's scope; "met on k of n" lists every such row. The last column names what
