@@ -186,7 +186,6 @@ class ModelRunner:
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index)).float()
 
-
     def _execute_invariant(
         self,
         token_ids: torch.Tensor,

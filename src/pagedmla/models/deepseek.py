@@ -11,7 +11,7 @@ that routed experts are stacked into `mlp.w13` / `mlp.w2`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -263,7 +263,7 @@ class DeepseekForCausalLM(nn.Module):
                 config.rope_scaling,
             )
         self.requires_grad_(False)  # inference only: no autograd bookkeeping
-        self._layers = self._run_layers  # torch.compile's version after enable_compile
+        self._compiled: Callable[..., torch.Tensor] | None = None  # by enable_compile
 
     def enable_compile(self, backend: str = "inductor") -> None:
         """Run every later forward's layers under torch.compile(fullgraph=True) with
@@ -278,8 +278,8 @@ class DeepseekForCausalLM(nn.Module):
         # test run) would pass its default limit of 8 and fail (fullgraph).
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 64)
-        self._layers = torch.compile(self._run_layers, fullgraph=True, dynamic=True,
-                                     backend=backend)
+        self._compiled = torch.compile(self._run_layers, fullgraph=True, dynamic=True,
+                                       backend=backend)
 
     def forward(
         self,
@@ -302,7 +302,7 @@ class DeepseekForCausalLM(nn.Module):
             self.rotary.build(positions.device)
         step = ForwardStep([layer.self_attn for layer in self.layers], caches,
                            meta.for_forward())
-        return self._layers(input_ids, positions, step)
+        return (self._compiled or self._run_layers)(input_ids, positions, step)
 
     def _run_layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, step: ForwardStep
