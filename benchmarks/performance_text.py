@@ -77,14 +77,12 @@ run. Ragged batches have no single-call SDPA baseline."""
 MERGE = """`merge_attn_states` folds two partials [T, N, D] with their LSE into one:
 both partials and LSEs read once, the output and its LSE written once."""
 
-ENGINE = """`LLM` steps driven as `LLM.generate` drives them, on a model of random weights
-with DeepSeek-V2-Lite's attention (16 heads, L 512, R 64, P 128, V 128), hidden 2048,
-vocabulary 32000, bf16, and dense MLPs (MoE: V2-Lite's experts, 64 routed, top 6, 2
-shared), so that attention, norms and projections are what a step holds. Timed: the
-decode-only steps after the batch's prompts. "step ms" is the wall time between two
-steps' completions, "host ms" the part of it the host is busy, "GPU idle" the share of
-the step in which the device waits for the host (CUDA events around the step's work).
-"vs eager" compares with eager steps of the same run; no other engine was measured."""
+ENGINE = """`LLM` steps driven as `LLM.generate` drives them, on random weights with
+DeepSeek-V2-Lite's attention (16 heads, L 512, R 64, P 128, V 128), hidden 2048, vocabulary
+32000, bf16, dense MLPs (MoE: V2-Lite's 64 routed experts, top 6, 2 shared). Timed: the
+decode-only steps after the batch's prompts; "step ms" between two steps' completions,
+"host ms" the host's busy part of it, "GPU idle" the share in which the device waits for
+the host (CUDA events). "vs eager": eager steps of the same run; no other engine measured."""
 
 MIXED = """Continuous arrivals: each step holds the batch's decodes and one new prompt.
 With CUDA graphs such a step replays one graph of the whole step
@@ -128,13 +126,11 @@ the token-expert pairs are local). Bytes: the weights (and fp8 scales) of the ex
 the routing touches, plus x and the output; FLOPs count the local pairs."""
 
 V3_LAYERS = """A random-weight checkpoint of DeepSeek-V3's shapes (hidden 7168, 128 heads,
-q_lora 1536, L 512, R 64, 256 routed experts of 2048, top 8, one shared; every layer an
-MoE layer; vocabulary 129280), once in block fp8 as DeepSeek ships it and once in bf16,
-written on the GPU, then served by `LLM` with CUDA graphs on one GPU: with all its
-layers and with one. A layer's figures are the difference of the two models over the
-layers between them, so that the embedding, the LM head and sampling drop out. "load s"
-is planning and reading the weights (`LLM.memory`); decode steps run over the run's
-prompts (`--prompt-len`)."""
+q_lora 1536, L 512, R 64, 256 routed experts of 2048, top 8, one shared, every layer MoE,
+vocabulary 129280), in block fp8 as shipped and in bf16, served by `LLM` with CUDA graphs
+on one GPU with all its layers and with one: a layer's figures are the difference over the
+layers between them (embedding, LM head and sampling drop out). "load s": planning and
+reading the weights (`LLM.memory`); decode steps run over `--prompt-len` prompts."""
 
 MEMORY_PLAN = """DeepSeek-V3/R1 whole (61 layers; the multi-token prediction layer is not
 loaded) at tensor parallel 8 on one node, **computed on the CPU, not measured**
