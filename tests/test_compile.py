@@ -114,15 +114,17 @@ def test_block_fp8_weights_compile(tmp_path) -> None:
     assert all(recorder.count(graph, "fp8_linear") > 0 for graph in recorder.graphs)
 
 
-def test_tensor_parallel_compiles(v3_checkpoint) -> None:
+@pytest.mark.parametrize("sizes", [dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+                                   dict(prefill_context_parallel_size=2)])
+def test_parallel_ranks_compile(v3_checkpoint, sizes) -> None:
     """Two gloo ranks, each compiling its shard (the all-reduces traced), with decode
-    context parallelism over both (its gathers inside the attention op): one process's
-    eager tokens."""
+    context parallelism over both (its gathers inside the attention op), or two prefill
+    context parallel replicas (the latents' all-gather inside it): one process's eager
+    tokens."""
     _, path = v3_checkpoint
     prompts = _prompts(97, [17, 40], seed=9)
     one = _llm(path).generate(prompts, GREEDY, use_tqdm=False)
-    with _llm(path, tensor_parallel_size=2, decode_context_parallel_size=2,
-              compile=True) as parallel:
+    with _llm(path, compile=True, **sizes) as parallel:
         assert_same_completions(one, parallel.generate(prompts, GREEDY, use_tqdm=False),
                                 tol=1e-4)
 

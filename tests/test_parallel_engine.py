@@ -124,6 +124,20 @@ def test_parallel_matches_single_process(tp, dcp, interleave, kv_cache_dtype, nu
     assert all(_gone(pid) for pid in pids), "a worker outlived close()"
 
 
+@pytest.mark.parametrize(("tp", "dcp", "pcp"), [(1, 1, 2), (1, 1, 4), (2, 2, 2)])
+def test_prefill_context_parallel_matches_single_process(tp, dcp, pcp, prompt_sets,
+                                                         reference) -> None:
+    """P replicas split the steps with prompts (chunked, mixed with decodes, over cached
+    prefixes) and run the decode steps alike: the single process's tokens."""
+    with LLM("tiny", tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+             prefill_context_parallel_size=pcp, **OPTIONS) as llm:
+        assert len(llm.parallel.workers.pids) == tp * pcp - 1
+        outputs = _generate(llm, prompt_sets)
+        assert llm.runner.pcp.steps_split > 3
+        assert [report.rank for report in llm.memory_per_rank] == list(range(tp * pcp))
+    _same(reference("auto", OPTIONS["block_size"]), outputs)
+
+
 def test_dead_worker_is_a_clear_error_and_leaves_no_process() -> None:
     llm = LLM("tiny", tensor_parallel_size=2, **OPTIONS)
     pid = llm.parallel.workers.pids[0]
@@ -242,6 +256,10 @@ def test_torchrun_every_rank_returns_the_outputs(tmp_path, prompt_sets, referenc
         (dict(tensor_parallel_size=2, decode_context_parallel_size=2,
               cp_kv_cache_interleave_size=3), "must divide block_size"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
+        (dict(prefill_context_parallel_size=0),
+         "prefill_context_parallel_size must be an int >= 1"),
+        (dict(prefill_context_parallel_size=2, batch_invariant=True),
+         "batch_invariant=True needs prefill_context_parallel_size 1"),
     ],
 )
 def test_bad_sizes_fail_before_any_process_starts(kwargs, message) -> None:
@@ -253,7 +271,7 @@ def test_cli_generate_with_parallel_flags(capsys: pytest.CaptureFixture[str]) ->
     assert main(["generate", "--device", "cpu", "--max-tokens", "3", "--block-size", "8",
                  "--num-kv-blocks", "16", "--tensor-parallel-size", "2",
                  "--decode-context-parallel-size", "2", "--cp-kv-cache-interleave-size", "2",
-                 "--prompt", "hello"]) == 0
+                 "--prefill-context-parallel-size", "2", "--prompt", "hello"]) == 0
     assert "completion:" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()  # the LLM was dropped: workers stopped
 

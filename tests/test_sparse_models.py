@@ -212,10 +212,14 @@ def test_model_dtype_caches_keep_float_indexer_keys(checkpoint, kv_cache_dtype) 
     assert keys and all(k.dtype == torch.float32 and k.shape[-1] == 16 for k in keys)
 
 
-def test_decode_context_parallel_is_refused(checkpoint) -> None:
+@pytest.mark.parametrize(("kwargs", "what"), [
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2), "decode_context"),
+    (dict(prefill_context_parallel_size=2), "prefill_context"),
+])
+def test_context_parallelism_is_refused(checkpoint, kwargs, what) -> None:
     *_, path = checkpoint
-    with pytest.raises(ValueError, match="decode_context_parallel_size > 1 is not supported"):
-        _llm(path, tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match=f"{what}_parallel_size > 1 is not supported"):
+        _llm(path, **kwargs)
 
 
 def test_the_model_needs_sparse_metadata(checkpoint) -> None:

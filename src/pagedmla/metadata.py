@@ -24,6 +24,7 @@ from pagedmla.routing import PathCostModel
 
 if TYPE_CHECKING:
     from pagedmla.cache import LatentKVCache
+    from pagedmla.distributed.pcp import PCPLatents
     from pagedmla.ops import Backend
 
 
@@ -193,7 +194,9 @@ class SparseMetadata:
 @dataclass
 class MLAMetadata:
     """Everything one MLA layer needs for a step; T tokens, decodes first. sparse: the
-    batch for sparse attention, for a builder given index_topk; else None."""
+    batch for sparse attention, for a builder given index_topk; else None. pcp: under
+    prefill context parallelism, the latents of every rank of the step, written in
+    place of this rank's (slot_mapping then all -1); else None."""
 
     num_tokens: int
     num_decodes: int
@@ -210,6 +213,7 @@ class MLAMetadata:
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
     sparse: SparseMetadata | None = None
+    pcp: PCPLatents | None = None
 
     def for_forward(self) -> MLAMetadata:
         """This metadata for one forward over all layers: its decode part gets an empty
@@ -487,19 +491,14 @@ class MLAMetadataBuilder:
         if num_reqs == 0:
             raise ValueError("a batch needs at least one request, got query_lens []")
         if len(seq_lens) != num_reqs:
-            raise ValueError(
-                f"seq_lens has {len(seq_lens)} entries, expected one per request ({num_reqs})"
-            )
+            raise ValueError(f"seq_lens has {len(seq_lens)} entries, expected {num_reqs}")
         for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
             if q < 1:
                 raise ValueError(f"query_lens[{b}] must be >= 1, got {q}")
             if s < q:
                 raise ValueError(f"query_len {q} > seq_len {s} for request {b}")
         if block_table.shape[0] != num_reqs:
-            raise ValueError(
-                f"block_table has {block_table.shape[0]} rows, expected {num_reqs} (one per "
-                "request)"
-            )
+            raise ValueError(f"block_table has {block_table.shape[0]} rows, expected {num_reqs}")
         capacity = block_table.shape[1] * self.table_block_size
         longest = max(seq_lens)
         if longest > capacity:

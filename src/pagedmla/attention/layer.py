@@ -25,7 +25,8 @@ class MLAAttention(nn.Module):
     W_UK [N, P, L] (absorbed into decode queries) and W_UV [N, L, V].
 
     forward(q [T, N, P + R], kv_c_normed [T, L], k_pe [T, R] rotated, cache, meta, out):
-    writes the new latents into the cache, runs the decode rows (the first
+    writes the new latents into the cache (with meta.pcp, every prefill context
+    parallel rank's), runs the decode rows (the first
     meta.num_decode_tokens) through the absorbed MQA path and the rest through the
     MHA path with chunked context, and returns [T, N * V]: `out` when given (a
     contiguous tensor of q's dtype and device, e.g. a static buffer), else a new one.
@@ -93,8 +94,11 @@ class MLAAttention(nn.Module):
         d = self.dims
         T = q.shape[0]
         out = output_buffer(out, (T, d.num_heads * d.v_head_dim), q)
-        cache.observe(kv_c_normed, k_pe, meta.slot_mapping)
-        ops.write_cache(cache.data, kv_c_normed, k_pe, meta.slot_mapping, cache.scale)
+        written = (kv_c_normed, k_pe, meta.slot_mapping)
+        if meta.pcp is not None:  # every prefill context parallel rank's new latents
+            written = meta.pcp.gather(kv_c_normed, k_pe)
+        cache.observe(*written)
+        ops.write_cache(cache.data, *written, cache.scale)
         if indices is not None:
             return sparse_mla(absorb_query(q, self.W_UK), indices, cache, self.W_UV,
                               meta.sparse, self.softmax_scale, ops, out)

@@ -1,4 +1,4 @@
-"""ParallelRuntime: what a tensor / decode context parallel LLM adds to the engine.
+"""ParallelRuntime: what a tensor / context parallel LLM adds to the engine.
 
 The LLM builds the same engine on every rank and asks the runtime for the parallel
 parts: how to shard the model (the loader's Sharder), the per-rank metadata builder,
@@ -31,6 +31,7 @@ from pagedmla.distributed.launch import (
     launched_externally,
     rank_device,
 )
+from pagedmla.distributed.pcp import PrefillContextParallel
 from pagedmla.distributed.state import ParallelState
 from pagedmla.distributed.tensor_parallel import check_heads_divisible, shard_for
 from pagedmla.metadata import MLAMetadataBuilder
@@ -76,6 +77,7 @@ class ParallelRuntime:
         tensor_parallel_size: int,
         decode_context_parallel_size: int,
         interleave: int,
+        prefill_context_parallel_size: int = 1,
     ) -> ParallelRuntime:
         """Validate the sizes against the model, then connect every rank.
 
@@ -83,7 +85,8 @@ class ParallelRuntime:
         construction of the same LLM, serving the driver's steps. interleave: tokens
         per rank in a run of the decode context parallel layout.
         """
-        tp, dcp = tensor_parallel_size, decode_context_parallel_size
+        tp, dcp, pcp = (tensor_parallel_size, decode_context_parallel_size,
+                        prefill_context_parallel_size)
         check_heads_divisible(load_config(model), tp)
         if dcp > 1:
             DCPLayout(dcp, 0, interleave, block_size)
@@ -94,9 +97,9 @@ class ParallelRuntime:
             init_from_environment(device)
         else:
             device = rank_device(device, 0)
-            workers = Workers(worker, tp, device)
+            workers = Workers(worker, tp * pcp, device)
         try:
-            state = ParallelState.connect(tp, dcp, device)
+            state = ParallelState.connect(tp, dcp, device, pcp)
         except BaseException:
             if workers is not None:
                 workers.stop()
@@ -121,6 +124,17 @@ class ParallelRuntime:
             return MLAMetadataBuilder(dims, block_size=block_size, device=self.device, **kwargs)
         layout = DCPLayout(self.state.dcp_size, self.state.dcp_rank, self.interleave, block_size)
         return DCPMetadataBuilder(dims, layout, self.state, device=self.device, **kwargs)
+
+    def prefill_context_parallel(
+        self, builder: MLAMetadataBuilder
+    ) -> PrefillContextParallel | None:
+        """What splits this rank's steps with prompts (None without PCP); `builder` is
+        the rank's (`metadata_builder`)."""
+        if self.state.pcp_size == 1:
+            return None
+        local_slots = (builder.layout.local_slots if isinstance(builder, DCPMetadataBuilder)
+                       else lambda slots: slots)
+        return PrefillContextParallel(self.state, builder.uses_mqa, local_slots, self.device)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """Cache blocks every rank can hold (the block table is shared)."""

@@ -127,6 +127,9 @@ class EngineArgs:
         "help": "ranks (dividing the TP size) that share each sequence's KV cache"})
     cp_kv_cache_interleave_size: int = field(default=1, metadata={
         "help": "consecutive tokens per rank in the decode context parallel layout"})
+    prefill_context_parallel_size: int = field(default=1, metadata={
+        "help": "replicas of the TP group that split each step's prompt tokens (ranks: "
+        "TP size times this)"})
     # Execution
     backend: str = field(default="auto", metadata={
         "help": "kernels: auto (the fastest available), reference or triton"})
@@ -202,7 +205,10 @@ class EngineArgs:
         self.tensor_parallel_size = integer("tensor_parallel_size", self.tensor_parallel_size)
         self.decode_context_parallel_size = integer("decode_context_parallel_size",
                                                     self.decode_context_parallel_size)
-        check_parallel_sizes(self.tensor_parallel_size, self.decode_context_parallel_size)
+        self.prefill_context_parallel_size = integer("prefill_context_parallel_size",
+                                                     self.prefill_context_parallel_size)
+        check_parallel_sizes(self.tensor_parallel_size, self.decode_context_parallel_size,
+                             self.prefill_context_parallel_size)
         self.cp_kv_cache_interleave_size = integer(
             "cp_kv_cache_interleave_size", self.cp_kv_cache_interleave_size, minimum=1)
         if self.backend not in available_backends():
@@ -229,10 +235,10 @@ class EngineArgs:
 
     def _check_batch_invariant(self) -> None:
         """ValueError for what batch_invariant=True does not combine with."""
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"batch_invariant=True needs tensor_parallel_size 1 (the "
-                             f"all-reduce's order follows the message size), got "
-                             f"{self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "prefill_context_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"batch_invariant=True needs {name} 1 (a collective's "
+                                 f"order follows the message size), got {getattr(self, name)}")
         if self.compile:
             raise ValueError("batch_invariant=True and compile=True cannot be combined")
         if self.kv_cache_dtype == "fp8_ds_mla":

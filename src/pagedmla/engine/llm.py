@@ -87,16 +87,15 @@ class LLM:
     alike (rank 0 schedules and samples; every rank returns the outputs).
     decode_context_parallel_size (dividing it) spreads each sequence's cached latents
     over that many ranks, dealt round-robin in runs of cp_kv_cache_interleave_size
-    tokens: a block then holds block_size tokens per rank. close() (or a `with` block)
-    stops the workers; they also stop when this process exits.
+    tokens: a block then holds block_size tokens per rank. prefill_context_parallel_size
+    P runs P replicas of that group (P * tp ranks), which split each step's prompt
+    tokens and write every token to all replicas' caches (`distributed/pcp.py`).
+    close() (or a `with` block) stops the workers; they also stop when this process exits.
 
     With graph-safe kernels (Triton) on CUDA, decode-only steps replay CUDA graphs
     captured at start-up for a ladder of batch sizes, and other steps of up to 2048
-    tokens replay graphs of everything but attention (`PiecewiseGraphs`), with
-    attention run eagerly between them, but for single-token decode rows' attention,
-    which replays graphs of its own (`DecodeRowGraphs`), and steps whose other rows are
-    prompts without context, which replay one graph each (`PiecewiseGraphs.capture_steps`;
-    neither under decode context parallelism); enforce_eager turns all of them off.
+    tokens replay graphs of everything but attention (`PiecewiseGraphs`; docs/design.md
+    says which steps replay which graphs); enforce_eager turns all of them off.
     route_by_cost sends short prefill chunks to the absorbed MQA path when the cost
     model (`pagedmla.routing.PathCostModel`) predicts it to be cheaper than MHA.
     async_scheduling plans and enqueues each step while the device still runs the one
@@ -134,23 +133,25 @@ class LLM:
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.parallel = None
-        if ((args.decode_context_parallel_size > 1 or args.batch_invariant)
-                and load_config(args.model).indexer):
-            what = ("batch_invariant=True" if args.batch_invariant
-                    else "decode_context_parallel_size > 1")
+        refused = [what for what, on in (
+            ("batch_invariant=True", args.batch_invariant),
+            ("decode_context_parallel_size > 1", args.decode_context_parallel_size > 1),
+            ("prefill_context_parallel_size > 1", args.prefill_context_parallel_size > 1),
+        ) if on]
+        if refused and load_config(args.model).indexer:
             raise ValueError(
-                f"{what} is not supported for sparse-"
-                "attention models (DeepSeek-V3.2, GLM-5): their indexer keys are not "
-                "spread over decode context parallel ranks, and their top-k selection is "
-                "not batch invariant"
+                f"{refused[0]} is not supported for sparse-attention models (DeepSeek-V3.2, "
+                "GLM-5): their indexer keys are neither spread over nor gathered from "
+                "context parallel ranks, and their top-k selection is not batch invariant"
             )
-        if args.tensor_parallel_size > 1:
+        if args.tensor_parallel_size * args.prefill_context_parallel_size > 1:
             from pagedmla.distributed.runtime import ParallelRuntime
 
             self.parallel = ParallelRuntime.start(
                 device, functools.partial(_serve_driver, args), model=args.model,
                 block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
                 decode_context_parallel_size=args.decode_context_parallel_size,
+                prefill_context_parallel_size=args.prefill_context_parallel_size,
                 interleave=args.cp_kv_cache_interleave_size,
             )
             device = self.parallel.device
@@ -246,6 +247,8 @@ class LLM:
             if self.parallel is not None and self.parallel.is_driver
             else ModelRunner(*parts)
         )
+        if self.parallel is not None:
+            self.runner.pcp = self.parallel.prefill_context_parallel(self.builder)
         if any(cache.is_fp8 for cache in self.caches):
             with self.startup.phase("kv_scales"):
                 ranks = None if self.parallel is None else self.parallel.state
@@ -272,7 +275,7 @@ class LLM:
         """Set `memory` (this rank's MemoryReport) and `memory_per_rank` (every rank's,
         gathered over the host group), and log the ranks' reports on the driver."""
         manager = self.block_manager
-        rank = 0 if self.parallel is None else self.parallel.state.tp_rank
+        rank = 0 if self.parallel is None else self.parallel.state.rank
         self.memory = MemoryReport(rank, weight_bytes, cache_bytes,
                                    manager.num_usable_blocks * manager.block_size, load_seconds,
                                    bytes_read, cache_format)

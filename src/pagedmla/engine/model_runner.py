@@ -23,6 +23,7 @@ from pagedmla.metadata import BatchSpec, MLAMetadataBuilder
 from pagedmla.ops.batch_invariant import ROW_TILE
 
 if TYPE_CHECKING:
+    from pagedmla.distributed.pcp import PCPStep, PrefillContextParallel
     from pagedmla.distributed.runtime import ParallelRuntime
 
 
@@ -51,6 +52,8 @@ class ModelRunner:
         self.pieces: PiecewiseGraphs | None = None
         # Set by a batch-invariant engine: every token a request of its own (`prepare`).
         self.batch_invariant = False
+        # Set under prefill context parallelism: steps with prompts split over the ranks.
+        self.pcp: PrefillContextParallel | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchSpec]:
         """Host-side inputs of a step: token ids [T], positions [T] and the BatchSpec.
@@ -171,6 +174,10 @@ class ModelRunner:
         ):
             return graphs.run(token_ids, positions, self.builder.decode_spec(spec), sample_rows,
                               device_token_ids)
+        if self.pcp is not None:
+            split = self.pcp.plan(spec, sample_rows)
+            if split is not None:
+                return self._execute_split(split, token_ids, positions, device_token_ids)
         meta = self.builder.build(spec, validate=False)  # prepare() derives the slots
         pieces = self.pieces
         if pieces is not None and token_ids.shape[0] <= pieces.max_tokens:
@@ -185,6 +192,25 @@ class ModelRunner:
         )
         index = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, index)).float()
+
+    def _execute_split(
+        self,
+        step: PCPStep,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        device_token_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`execute` for this rank's part of a step split by prefill context parallelism
+        (`distributed/pcp.py`): its rows only, eagerly; the logits of every sample row."""
+        meta = self.builder.build(step.spec, validate=False)
+        meta.pcp = step.latents
+        if device_token_ids is None:
+            ids = token_ids[step.rows].to(self.device, non_blocking=True)
+        else:
+            ids = device_token_ids.index_select(0, step.rows.to(self.device))
+        hidden = self.model(ids, positions[step.rows].to(self.device, non_blocking=True),
+                            self.caches, meta)
+        return self.model.compute_logits(self.pcp.gather_samples(hidden, step)).float()
 
     def _execute_invariant(
         self,
