@@ -14,7 +14,9 @@ Triton kernel of `ops/triton`, each through the entry point the backend calls: t
 latent cache write and gather (bf16, fp8, fp8_ds_mla), the indexer key write (fp8,
 bf16), the activation quantization, the block-fp8 GEMM (DeepSeek-V3's q_a, kv_a, q_b
 and o_proj at 16 and 4096 rows), the bf16 and fp8 routed experts (16 and 4096
-tokens), merge_attn_states, merge_partials, RMSNorm and the rotary embedding; all from
+tokens), merge_attn_states, merge_partials, the attention output's fp8 epilogues
+(`output_quant`: V up-projection, merge, one pass, and o_proj on the codes), RMSNorm
+and the rotary embedding; all from
 CPU tensors, with a stand-in for the CUDA driver that reports an sm_90a target and turns every
 launch into a compile-only warm-up; the device's facts are faked through
 `selection.device_platform`. Run it with the Triton the GPU machine has: other versions
@@ -283,6 +285,28 @@ def compile_merge(tokens: int, heads: int, width: int, write_lse: bool) -> None:
                             torch.zeros_like(lse) if write_lse else None)
 
 
+def compile_output_quant(tokens: int, heads: int, group: int | None) -> None:
+    """Build the attention output's fp8 epilogues (`output_quant`) for N = `heads`, V
+    128, L 512, bf16: the decode's V up-projection, the merge and the one-pass
+    quantization, per group of `group` (power-of-two scales) or per tensor (None); and
+    o_proj's GEMM on the codes (7168 <- heads * 128)."""
+    from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE
+    from pagedmla.ops.output_quant import OutputQuant, QuantizedOutput
+    from pagedmla.ops.triton import fp8_gemm, merge, output_quant, v_up_proj
+
+    quant = OutputQuant(group=group) if group else OutputQuant(scale=torch.ones(1))
+    out = QuantizedOutput.empty(tokens, heads * 128, quant, torch.device("cpu"))
+    v_up_proj.v_up_proj_quant(torch.zeros(tokens, heads, 512, dtype=torch.bfloat16),
+                        torch.zeros(heads, 512, 128, dtype=torch.bfloat16), out)
+    part = torch.zeros(tokens, heads, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(heads, tokens)
+    merge.merge_attn_states_quant(part, lse, part.clone(), lse.clone(), out)
+    output_quant.quantize_output(part.view(tokens, -1), out)
+    weight = torch.zeros(7168, heads * 128, dtype=FP8_WEIGHT_DTYPE)
+    fp8_gemm.fp8_linear_quantized(out, weight, torch.zeros(56, heads), (128, 128),
+                                  torch.bfloat16)
+
+
 def compile_merge_partials(ranks: int, tokens: int, heads: int) -> None:
     """Build `combine.merge_partials` as decode context parallelism calls it: `ranks`
     partials out [ranks, tokens, heads, 512] and lse, views of one float32 [ranks,
@@ -368,15 +392,18 @@ def main(argv: list[str] | None = None) -> None:
         merge,
         moe,
         norm,
+        output_quant,
         prefill,
         prefill_hopper,
         rope,
         sparse_decode,
+        v_up_proj,
     )
 
     # CPU tensors stand in for CUDA ones, on an H200 (132 multiprocessors, 50 MB of L2).
     for module in (cache_ops, combine, decode, fp8_gemm, fp8_quant, index_cache, indexer,
-                   invariant_decode, merge, moe, norm, prefill, rope, sparse_decode):
+                   invariant_decode, merge, moe, norm, output_quant, prefill, rope,
+                   sparse_decode, v_up_proj):
         module.check_device = lambda *tensors: None
         if hasattr(module, "multiprocessor_count"):
             module.multiprocessor_count = lambda device: 132
@@ -425,6 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     builds += [("merge 128 heads x 128, lse", compile_merge, (4096, 128, 128, True)),
                ("merge 128 heads x 128, no lse", compile_merge, (4096, 128, 128, False)),
                ("merge_partials 4 ranks, 64 tokens", compile_merge_partials, (4, 64, 16)),
+               ("fp8 output, groups of 128, 64 tokens", compile_output_quant, (64, 128, 128)),
+               ("fp8 output, groups of 128, 4096 tokens", compile_output_quant,
+                (4096, 16, 128)),
+               ("fp8 output, per tensor, 64 tokens", compile_output_quant, (64, 128, None)),
                ("rms_norm 1536", compile_norm, (64, 1536, False)),
                ("rms_norm 512", compile_norm, (64, 512, False)),
                ("add_rms_norm 7168", compile_norm, (64, 7168, True)),

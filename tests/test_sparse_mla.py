@@ -27,6 +27,7 @@ from pagedmla.attention.decode import absorb_query
 from pagedmla.attention.sparse import sparse_mla
 from pagedmla.metadata import MLAMetadata
 from pagedmla.ops import REFERENCE
+from pagedmla.ops.output_quant import OutputQuant, QuantizedOutput
 from pagedmla.ops.reference_sparse import (
     check_sparse_indices,
     sparse_mla_attention,
@@ -360,3 +361,22 @@ def test_sparse_mla_checks_its_arguments() -> None:
         call(out=torch.empty(12, 47))
     out = torch.full((12, 48), math.nan)
     assert call(out=out) is out and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_layer_output_quantized_for_o_proj(backend: str) -> None:
+    """Sparse attention's output as fp8 codes for o_proj (`ops/output_quant.py`): within
+    e4m3's rounding (half a step: 2^-4 of a value, 2^-10 of its scale) of the oracle."""
+    batch = paged("mixed", seed=21)
+    indices = random_indices(batch, topk=8, seed=22)
+    d = batch.dims
+    width = d.num_heads * d.v_head_dim
+    out = QuantizedOutput.empty(batch.num_tokens, width, OutputQuant(group=16), batch.q.device)
+    attn = MLAAttention(d, softmax_scale=batch.softmax_scale, kv_b_proj=batch.kv_b_proj,
+                        backend=backend)
+    attn(batch.q, batch.kv_c, batch.k_pe, batch.cache, sparse_meta(batch, 8), out=out,
+         indices=indices)
+    ref = layer_oracle(batch, indices)
+    step = out.scales.double().repeat_interleave(16, dim=1)
+    bound = ref.abs() * 2.0**-4 + step * 2.0**-10 + 1e-5 * ref.abs().max()
+    assert ((out.dequantize().double() - ref).abs() <= bound).all()

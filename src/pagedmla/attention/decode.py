@@ -12,6 +12,7 @@ import torch
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import DecodeMetadata
 from pagedmla.ops import Backend
+from pagedmla.ops.output_quant import QuantizedOutput
 
 
 def absorb_query(q: torch.Tensor, W_UK: torch.Tensor) -> torch.Tensor:
@@ -34,9 +35,10 @@ def absorbed_decode(
     meta: DecodeMetadata,
     softmax_scale: float,
     ops: Backend,
-    out: torch.Tensor,
+    out: torch.Tensor | QuantizedOutput,
 ) -> None:
-    """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> out [Td, N, V]."""
+    """q [Td, N, P + R], W_UK [N, P, L], W_UV [N, L, V] -> out [Td, N, V] (or quantized,
+    [Td, N * V])."""
     L = W_UK.shape[2]
     q_mqa = absorb_query(q, W_UK)
     if meta.dcp is not None:
@@ -57,4 +59,14 @@ def absorbed_decode(
     )
     if meta.dcp is not None:
         latent_out = meta.dcp.combine(latent_out, lse, ops)
-    torch.bmm(latent_out.transpose(0, 1), W_UV, out=out.transpose(0, 1))
+    up_project_output(latent_out, W_UV, out, ops)
+
+
+def up_project_output(latent_out: torch.Tensor, W_UV: torch.Tensor,
+                      out: torch.Tensor | QuantizedOutput, ops: Backend) -> None:
+    """latent_out [T, N, L] @ W_UV [N, L, V] per head -> out [T, N, V], or quantized for
+    o_proj by the backend's up-projection (its epilogue)."""
+    if isinstance(out, QuantizedOutput):
+        ops.v_up_proj_quant(latent_out, W_UV, out)
+    else:
+        torch.bmm(latent_out.transpose(0, 1), W_UV, out=out.transpose(0, 1))

@@ -13,6 +13,7 @@ from pagedmla.cache import MODEL_DTYPES, LatentKVCache
 from pagedmla.dims import MLADims
 from pagedmla.metadata import MLAMetadata
 from pagedmla.ops import Backend
+from pagedmla.ops.output_quant import QuantizedOutput
 from pagedmla.ops.registry import get_backend
 from pagedmla.validation import positive_finite
 
@@ -30,6 +31,9 @@ class MLAAttention(nn.Module):
     meta.num_decode_tokens) through the absorbed MQA path and the rest through the
     MHA path with chunked context, and returns [T, N * V]: `out` when given (a
     contiguous tensor of q's dtype and device, e.g. a static buffer), else a new one.
+    An `out` of type `QuantizedOutput` (`ops/output_quant.py`) gets the output as fp8
+    codes and scales for an fp8 o_proj, written by the kernels that finish it (the
+    decode's V up-projection, the prefill merge) rather than by a pass of its own.
     With `indices` [T, topk] int32 (a sparse-attention model's top-k positions per
     token, `attention/sparse.py`), every token attends to its selected positions only,
     by the absorbed path, whatever its query length.
@@ -84,9 +88,9 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor,
         cache: LatentKVCache,
         meta: MLAMetadata,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | QuantizedOutput | None = None,
         indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | QuantizedOutput:
         self._validate(q, kv_c_normed, k_pe, cache, meta)
         if indices is not None and meta.sparse is None:
             raise ValueError("indices need metadata built with index_topk (meta.sparse)")
@@ -102,17 +106,21 @@ class MLAAttention(nn.Module):
         if indices is not None:
             return sparse_mla(absorb_query(q, self.W_UK), indices, cache, self.W_UV,
                               meta.sparse, self.softmax_scale, ops, out)
-        heads = out.view(T, d.num_heads, d.v_head_dim)
         Td = meta.num_decode_tokens
+        if isinstance(out, QuantizedOutput):
+            decode_out, prefill_out = out.rows(slice(0, Td)), out.rows(slice(Td, T))
+        else:
+            heads = out.view(T, d.num_heads, d.v_head_dim)
+            decode_out, prefill_out = heads[:Td], heads[Td:]
         if meta.decode is not None:
             absorbed_decode(
                 q[:Td], self.W_UK, self.W_UV, cache, meta.decode, self.softmax_scale, ops,
-                heads[:Td],
+                decode_out,
             )
         if meta.prefill is not None:
             mha_prefill(
                 q[Td:], kv_c_normed[Td:], k_pe[Td:], self.kv_b_proj, cache, meta.prefill,
-                self.softmax_scale, ops, heads[Td:],
+                self.softmax_scale, ops, prefill_out,
             )
         return out
 

@@ -12,6 +12,7 @@ import torch
 from pagedmla.cache import LatentKVCache
 from pagedmla.metadata import ChunkedContext, ContextChunk, PrefillMetadata
 from pagedmla.ops import Backend
+from pagedmla.ops.output_quant import QuantizedOutput
 
 
 def up_project(
@@ -37,9 +38,10 @@ def mha_prefill(
     meta: PrefillMetadata,
     softmax_scale: float,
     ops: Backend,
-    out: torch.Tensor,
+    out: torch.Tensor | QuantizedOutput,
 ) -> None:
-    """q [Tp, N, P + R], kv_c [Tp, L], k_pe [Tp, R]; writes out [Tp, N, V]."""
+    """q [Tp, N, P + R], kv_c [Tp, L], k_pe [Tp, R]; writes out [Tp, N, V] (or quantized
+    for o_proj, [Tp, N * V]: by the merge's epilogue, or in place of the copy)."""
     N = q.shape[1]
     P = q.shape[2] - k_pe.shape[-1]
     k, v = up_project(kv_c, k_pe, kv_b_proj, N, P)
@@ -47,11 +49,18 @@ def mha_prefill(
         q, k, v, meta.query_start_loc, meta.query_start_loc, meta.max_query_len,
         meta.max_query_len, softmax_scale, True,
     )
+    quantized = isinstance(out, QuantizedOutput)
     if meta.context is None:
-        out.copy_(new_out)
+        if quantized:
+            ops.quantize_output(new_out.view(new_out.shape[0], -1), out)
+        else:
+            out.copy_(new_out)
         return
     ctx_out, ctx_lse = _context_attention(q, kv_b_proj, cache, meta, softmax_scale, ops)
-    ops.merge_attn_states(ctx_out, ctx_lse, new_out, new_lse, out, None)
+    if quantized:
+        ops.merge_attn_states_quant(ctx_out, ctx_lse, new_out, new_lse, out)
+    else:
+        ops.merge_attn_states(ctx_out, ctx_lse, new_out, new_lse, out, None)
 
 
 def _context_attention(

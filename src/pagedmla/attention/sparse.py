@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from pagedmla.attention.checks import expect_tensor, output_buffer
+from pagedmla.attention.decode import up_project_output
 from pagedmla.cache import MODEL_DTYPES, LatentKVCache
 from pagedmla.metadata import SparseMetadata
 from pagedmla.ops import Backend
+from pagedmla.ops.output_quant import QuantizedOutput
 from pagedmla.validation import positive_finite
 
 
@@ -31,11 +33,12 @@ def sparse_mla(
     sparse: SparseMetadata,
     softmax_scale: float,
     ops: Backend,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    out: torch.Tensor | QuantizedOutput | None = None,
+) -> torch.Tensor | QuantizedOutput:
     """One layer's sparse MLA: q_mqa [T, N, L + R] absorbed queries (`absorb_query`),
     indices [T, topk] int32 positions per query (-1 unused), W_UV [N, L, V] -> [T, N * V]
-    in q's dtype: `out` when given (contiguous, q's dtype and device), else a new one.
+    in q's dtype: `out` when given (contiguous, q's dtype and device; or quantized for
+    o_proj, `ops/output_quant.py`), else a new one.
 
     `sparse` describes the batch's requests (decodes and prefills alike) on q's device;
     `ops` is the backend whose `sparse_attention` runs. The shapes, dtypes and devices
@@ -51,7 +54,8 @@ def sparse_mla(
         q_mqa, cache.data, cache.scale, sparse.block_table, sparse.seq_lens,
         sparse.query_start_loc, indices, cache.kv_lora_rank, softmax_scale,
     )
-    torch.bmm(latent_out.transpose(0, 1), W_UV, out=out.view(T, N, V).transpose(0, 1))
+    up_project_output(latent_out, W_UV,
+                      out if isinstance(out, QuantizedOutput) else out.view(T, N, V), ops)
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedmla.ops import reference, reference_indexer, reference_sparse
+from pagedmla.ops import output_quant, reference, reference_indexer, reference_sparse
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class Backend:
     rotary: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
     fp8_linear: Callable[..., torch.Tensor]
+    # The attention output quantized to fp8 for o_proj (`ops/output_quant.py`): by the
+    # decode's V up-projection, by the prefill merge, in one pass, and o_proj on it.
+    v_up_proj_quant: Callable[..., None]
+    merge_attn_states_quant: Callable[..., None]
+    quantize_output: Callable[..., None]
+    fp8_linear_quantized: Callable[..., torch.Tensor]
     # The sparse models' lightning indexer: top-k key positions per query token, and
     # the write of its keys into their paged cache (`reference_indexer`'s signatures).
     indexer_topk: Callable[..., torch.Tensor]
@@ -59,6 +65,10 @@ REFERENCE = Backend(
     rotary=reference.rotary,
     fused_experts=reference.fused_experts,
     fp8_linear=reference.fp8_linear,
+    v_up_proj_quant=output_quant.v_up_proj_quant,
+    merge_attn_states_quant=output_quant.merge_attn_states_quant,
+    quantize_output=output_quant.quantize_output,
+    fp8_linear_quantized=output_quant.fp8_linear_quantized,
     indexer_topk=reference_indexer.indexer_topk,
     write_indexer_cache=reference_indexer.write_indexer_cache,
 )

@@ -45,6 +45,8 @@ import triton.language as tl
 
 from pagedmla.ops import reference
 from pagedmla.ops.block_fp8 import FP8_WEIGHT_DTYPE, scale_grid
+from pagedmla.ops.output_quant import QuantizedOutput
+from pagedmla.ops.output_quant import fp8_linear_quantized as reference_fp8_linear_quantized
 from pagedmla.ops.triton._utils import (
     INTERPRETED,
     cdiv,
@@ -245,29 +247,68 @@ def fp8_linear(
     """
     check_device(x, weight, scale_inv)
     _check(x, weight, scale_inv, block_size)
-    bn, bk = block_size
+    bk = block_size[1]
     if bk not in K_STEPS or not fp8_dot_runs(x.device):
         return reference.fp8_linear(x, weight, scale_inv, block_size)
     N, K = weight.shape
     lead = x.shape[:-1]
     M = math.prod(lead)
     x = last_dim_contiguous(x.reshape(M, K))
-    weight = last_dim_contiguous(weight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0 or K == 0:
         return out.zero_().view(*lead, N)
     c = fit_stages(config or pick_config(M, N, K, bk, multiprocessor_count(x.device)), bk,
                    x.element_size())
+    if c.fused:
+        _launch(x, x, 0, weight, scale_inv, block_size, c, out)  # x's scales: the kernel's own
+    else:
+        a, a_scale = quantize_activations(x, bk)
+        _launch(a, a_scale, a_scale.stride(1), weight, scale_inv, block_size, c, out)
+    return out.view(*lead, N)
+
+
+def fp8_linear_quantized(
+    x: QuantizedOutput, weight: torch.Tensor, scale_inv: torch.Tensor,
+    block_size: tuple[int, int], dtype: torch.dtype, config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_linear` on activations already quantized (`output_quant`: the attention
+    output) -> [M, N] in `dtype`: no quantization pass, as
+    `output_quant.fp8_linear_quantized`, which runs instead where `fp8_linear` would fall
+    back, and for per-group codes whose group is not bk."""
+    check_device(x.codes, weight, scale_inv)
+    _check(x.codes, weight, scale_inv, block_size)
+    bk = block_size[1]
+    group = x.quant.group
+    if bk not in K_STEPS or not fp8_dot_runs(x.codes.device) or group not in (None, bk):
+        return reference_fp8_linear_quantized(x, weight, scale_inv, block_size, dtype)
+    (M, K), N = x.codes.shape, weight.shape[0]
+    out = torch.empty(M, N, dtype=dtype, device=x.codes.device)
+    if M == 0 or N == 0 or K == 0:
+        return out.zero_()
+    c = config or pick_config(M, N, K, bk, multiprocessor_count(out.device))
+    c = fit_stages(replace(c, fused=False), bk, 1)
+    scales = x.scales
+    if group is None:  # the static scale, as every row's and step's
+        scales = scales.expand(cdiv(K, bk), M).contiguous().t()
+    _launch(x.codes, scales, scales.stride(1), weight, scale_inv, block_size, c, out)
+    return out
+
+
+def _launch(
+    a: torch.Tensor, a_scale: torch.Tensor, stride_as: int, weight: torch.Tensor,
+    scale_inv: torch.Tensor, block_size: tuple[int, int], c: Fp8GemmConfig,
+    out: torch.Tensor,
+) -> None:
+    """out [M, N] = a @ W.T: a [M, K] is x (c.fused) or its codes, with scales
+    a_scale[step * stride_as + m] (`_fp8_gemm_kernel`)."""
+    (M, K), N = a.shape, weight.shape[0]
+    bn, bk = block_size
+    weight = last_dim_contiguous(weight)
     steps = cdiv(K, bk)
     per_split = cdiv(steps, c.split_k)
     splits = cdiv(steps, per_split)  # every split holds at least one step
-    if c.fused:
-        a, a_scale, stride_as = x, x, 0  # a_scale unused: the kernel quantizes x
-    else:
-        a, a_scale = quantize_activations(x, bk)
-        stride_as = a_scale.stride(1)
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32,
-                                                 device=x.device)
+                                                 device=out.device)
     grid = (cdiv(M, c.block_m) * cdiv(N, c.block_n), splits)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, scale_inv, target, M, N, K, a.stride(0), stride_as,
@@ -280,4 +321,3 @@ def fp8_linear(
     if splits > 1:
         _sum_splits_kernel[(cdiv(M * N, _SUM_BLOCK),)](
             target, out, M * N, splits, BLOCK=_SUM_BLOCK, num_warps=4)
-    return out.view(*lead, N)

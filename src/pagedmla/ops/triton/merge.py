@@ -1,4 +1,5 @@
-"""merge_attn_states in one memory-bound Triton kernel.
+"""merge_attn_states in one memory-bound Triton kernel (and merge_attn_states_quant: the
+same, its output quantized to fp8 in the epilogue, `output_quant`).
 
 Grid (tokens, head blocks): a program merges BLOCK_HEADS heads x D of one token. Each
 element is read once from each partial and written once; the two lse values per head
@@ -12,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedmla.ops.triton._utils import cdiv, check_device, last_dim_contiguous, next_pow2
+from pagedmla.ops.output_quant import QuantizedOutput
+from pagedmla.ops.triton._utils import (
+    INTERPRETED,
+    cdiv,
+    check_device,
+    last_dim_contiguous,
+    next_pow2,
+)
+from pagedmla.ops.triton.output_quant import quant_mode, quantize_output, store_quantized
 
 # Elements (heads x D) per program: 4096 gives each of 128 threads 32 elements, i.e.
 # several 16-byte loads in flight per tensor, which a bandwidth-bound kernel needs.
@@ -27,12 +36,14 @@ def _merge_kernel(
     prefix_ptr, prefix_lse_ptr, suffix_ptr, suffix_lse_ptr, out_ptr, out_lse_ptr,
     stride_pt, stride_ph, stride_st, stride_sh, stride_ot, stride_oh,
     stride_plh, stride_plt, stride_slh, stride_slt, stride_olh, stride_olt,
-    num_heads,
+    num_heads, scale_ptr, scales_ptr, stride_sg,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s) for one token; a NaN
-    lse makes the head's output and lse NaN."""
+    lse makes the head's output and lse NaN. QUANT (`output_quant`): out holds fp8
+    codes [T, N * D] (row stride stride_ot), written with their scales instead."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     head_ok = heads < num_heads
@@ -69,8 +80,14 @@ def _merge_kernel(
     # max() skipped it, as on the GPU, or not, as in the interpreter), and the head NaN.
     nan = total != total
     merged = tl.where(nan[:, None], float("nan"), merged)
-    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :],
-             merged.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & col_ok)
+    if QUANT == 0:
+        tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :],
+                 merged.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & col_ok)
+    else:  # BLOCK_D == D: a head's channels are whole groups
+        g = h[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]
+        store_quantized(merged, head_ok[:, None], out_ptr + t * stride_ot + h[:, None] * D
+                        + cols[None, :], scale_ptr, scales_ptr + g * stride_sg + t,
+                        head_ok[:, None], QUANT, BLOCK_HEADS, D, GROUP, INTERPRETED)
     if WRITE_LSE:
         merged_lse = tl.where(has_key, peak + tl.log(denom), float("-inf"))
         merged_lse = tl.where(nan, float("nan"), merged_lse)
@@ -92,16 +109,49 @@ def merge_attn_states(
     empties give (0, -inf); a NaN lse gives NaN. `output` / `output_lse` may alias the inputs.
     """
     check_device(prefix_output, output)
+    target = last_dim_contiguous(output)
+    _launch(prefix_output, prefix_lse, suffix_output, suffix_lse, target, output_lse)
+    if target is not output:
+        output.copy_(target)
+
+
+def merge_attn_states_quant(
+    prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor, out: QuantizedOutput,
+) -> None:
+    """The merge of two partials [T, N, D] written as out ([T, N * D] quantized, as
+    `output_quant.merge_attn_states_quant`) by the kernel's epilogue; a D that is not
+    a power of two, or not a multiple of the group, merges to float32 first."""
+    check_device(prefix_output, out.codes)
+    T, N, D = prefix_output.shape
+    group = out.quant.group
+    if next_pow2(D) != D or (group is not None and D % group):
+        merged = prefix_output.new_empty(T, N, D, dtype=torch.float32)
+        _launch(prefix_output, prefix_lse, suffix_output, suffix_lse, merged, None)
+        quantize_output(merged.view(T, N * D), out)
+        return
+    _launch(prefix_output, prefix_lse, suffix_output, suffix_lse, out.codes.view(T, N, D),
+            None, out)
+
+
+def _launch(
+    prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
+    suffix_lse: torch.Tensor, target: torch.Tensor, output_lse: torch.Tensor | None,
+    quantized: QuantizedOutput | None = None,
+) -> None:
+    """One merge kernel into target [T, N, D] (last dimension contiguous): the output,
+    or the codes of `quantized`."""
     num_tokens, num_heads, width = prefix_output.shape
     if num_tokens == 0 or num_heads == 0:
         return
     prefix_output = last_dim_contiguous(prefix_output)
     suffix_output = last_dim_contiguous(suffix_output)
-    target = last_dim_contiguous(output)
     block_d = next_pow2(width)
     block_heads = max(1, min(next_pow2(num_heads), MERGE_ELEMENTS // block_d))
     write_lse = output_lse is not None
     lse_out = output_lse if write_lse else prefix_lse  # never written when not asked
+    scales = prefix_lse if quantized is None else quantized.scales  # read only if quantized
+    group = None if quantized is None else quantized.quant.group
     _merge_kernel[(num_tokens, cdiv(num_heads, block_heads))](
         prefix_output, prefix_lse, suffix_output, suffix_lse, target, lse_out,
         prefix_output.stride(0), prefix_output.stride(1),
@@ -110,9 +160,8 @@ def merge_attn_states(
         prefix_lse.stride(0), prefix_lse.stride(1),
         suffix_lse.stride(0), suffix_lse.stride(1),
         lse_out.stride(0), lse_out.stride(1),
-        num_heads,
+        num_heads, scales, scales, scales.stride(1) if group is not None else 0,
         D=width, BLOCK_D=block_d, BLOCK_HEADS=block_heads, WRITE_LSE=write_lse,
-        num_warps=MERGE_WARPS,
+        QUANT=0 if quantized is None else quant_mode(quantized), GROUP=group or block_d,
+        INTERPRETED=INTERPRETED, num_warps=MERGE_WARPS,
     )
-    if target is not output:
-        output.copy_(target)
