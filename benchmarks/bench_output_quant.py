@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 import torch
+import triton
 
 from benchmarks.harness import DEV, bench, graphed
 from pagedmla.ops.block_fp8 import dequantize_blocks
@@ -125,8 +128,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['fused_stage_us']:.1f} | {r['unfused_us']:.1f} / {r['fused_us']:.1f} | "
               f"{r['saved_us']:.1f} µs ({r['saved_us'] / r['unfused_us']:.0%}) |")
     if options.out:
+        run = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
+               "command": " ".join(sys.argv), "results": rows}
         with open(options.out, "w") as f:
-            json.dump({"card": torch.cuda.get_device_name(), "results": rows}, f, indent=1)
+            json.dump(run, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from benchmarks.performance_tables import (
     modes_table,
     moe_ceilings,
     num,
+    output_quant_table,
     pct,
     plan_batch,
     plan_rows,
@@ -70,6 +71,7 @@ MEMORY_PLAN = "memory_plan.json"
 SPARSE_DECODE, SPARSE_PREFILL = "sparse_decode_h100.json", "sparse_prefill_h100.json"
 INDEXER = "indexer_h100.json"
 ENGINE_MODES = ("engine_modes_h200.json", "engine_modes_h100.json")
+OUTPUT_QUANT = ("output_quant_h200.json", "output_quant_h100.json")
 STARTUP_COLD, STARTUP_WARM = "startup_cold_h100.json", "startup_warm_h100.json"
 
 
@@ -320,6 +322,15 @@ def modes_section(res: Results) -> list[str]:
     return []
 
 
+def output_quant_section(res: Results) -> list[str]:
+    """The attention output handed to o_proj in fp8 against bf16, where measured."""
+    for name in OUTPUT_QUANT:
+        if res.has(name):
+            return ["### The attention output in fp8 for o_proj", res.source(name), "",
+                    text.OUTPUT_QUANT, "", *output_quant_table(res.load(name))]
+    return []
+
+
 def render_performance(res: Results) -> str:
     kernels = res.load("kernels_h200.json")
     parallel = engine_table([res.load("engine_tp2_2xh200.json"),
@@ -340,6 +351,7 @@ def render_performance(res: Results) -> str:
         "## Prefill", res.source("kernels_h200.json"), "", text.PREFILL, "",
         *prefill_table(kernels),
         "## Merge", res.source("kernels_h200.json"), "", text.MERGE, "", *merge_table(kernels),
+        *output_quant_section(res),
         "## Engine", *(res.source(n) for n in ("engine_h200.json", "engine_moe_h200.json",
                                                 "engine_b144_h200.json")),
         "", text.ENGINE, "", *engine,

@@ -375,6 +375,17 @@ def modes_table(run: dict, default: str = "cuda_graphs_async") -> list[str]:
                   "÷ default's", "LLM(...) s, no warm-up"], rows)
 
 
+def output_quant_table(run: dict) -> list[str]:
+    """bench_output_quant: the output stage and o_proj, bf16 output against fp8 codes."""
+    rows = [[f"{r['kind']}, {r['T']:,} tokens", str(r["N"]),
+             f"{num(r['unfused_stage_us'], 1)} / {num(r['fused_stage_us'], 1)}",
+             f"{num(r['unfused_us'], 1)} / {num(r['fused_us'], 1)}",
+             f"{num(r['saved_us'], 1)} ({pct(100 * r['saved_us'] / r['unfused_us'])})"]
+            for r in run["results"]]
+    return table(["case", "N", "stage µs: bf16 / fp8", "with o_proj µs: bf16 / fp8",
+                  "saved µs"], rows, left=1)
+
+
 def mixed_table(mixed: dict) -> list[str]:
     rows = []
     for mode, r in mixed["runs"].items():

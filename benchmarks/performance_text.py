@@ -176,6 +176,15 @@ tokens, every token a decode row, `invariant_decode`). Steps with the prompt: th
 decodes and one 256-token prompt. `LLM(...)` without the warm-up, so with the compile's
 own time for `compile=True`."""
 
+OUTPUT_QUANT = """How the attention output reaches DeepSeek-V3's block-fp8 o_proj (7168 <- N ·
+128): in bf16, which `fp8_linear` quantizes (inside its programs up to 64 rows, in a
+pass of its own above), or as fp8 codes with power-of-two scales per 128 channels
+written by the kernel that finishes the output (`ops/output_quant.py`), which
+`fp8_linear_quantized` reads as they are. Stage: the decode's V up-projection, the copy
+of a prompt's attention output (fp8: the one-pass quantization in its place), or the
+merge with the context; each way a CUDA graph replay after an L2 wipe, o_proj included
+or not."""
+
 # What bounds the kernel or the engine where a target is missed: one line each, the
 # evidence being the kernels' profiles and same-run A/Bs.
 LIMITS = {

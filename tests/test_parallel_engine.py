@@ -370,15 +370,17 @@ def _broken_send(*args, **kwargs) -> None:
     raise ConnectionError("injected")
 
 
-def test_online_engine_under_tensor_parallelism_matches_one_rank() -> None:
-    """Requests added while others run, through an OnlineEngine over spawned TP 2
-    workers: the tokens of offline generate on one rank."""
+@pytest.mark.parametrize("sizes", [dict(tensor_parallel_size=2),
+                                   dict(prefill_context_parallel_size=2)])
+def test_online_engine_under_parallelism_matches_one_rank(sizes) -> None:
+    """Requests added while others run, through an OnlineEngine over spawned TP 2 (or
+    PCP 2) workers: the tokens of offline generate on one rank."""
     from pagedmla.engine.online import OnlineEngine
 
     prompts = [[3 + (7 * i + j) % 200 for j in range(5 + 6 * i)] for i in range(4)]
     want = [o.outputs[0].token_ids
             for o in LLM("tiny", **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)]
-    llm = LLM("tiny", tensor_parallel_size=2, **OPTIONS)
+    llm = LLM("tiny", **sizes, **OPTIONS)
     pids = list(llm.parallel.workers.pids)
     with OnlineEngine(llm) as engine:
         got = [[t for out in engine.stream(p, GREEDY) for t in out.token_ids]

@@ -201,3 +201,22 @@ def test_engine_modes_render_against_the_default(tmp_path: Path) -> None:
     assert "### torch.compile and batch invariance" in text
     assert "| `compile=True`, async scheduling | 2.40 | 0.80x | 7.50 | 1.25x | 9.0 |" in text
     assert "| `batch_invariant=True`, async scheduling | 6.00 | 2.00x | 18.00 | 3.00x |" in text
+
+
+def test_output_quant_renders(tmp_path: Path) -> None:
+    """bench_output_quant's rows: both ways' times and the time saved."""
+    results = tmp_path / "results"
+    shutil.copytree(report.RESULTS, results)
+    for name in report.OUTPUT_QUANT:
+        (results / name).unlink(missing_ok=True)
+    assert "in fp8 for o_proj" not in report.render_performance(tables.Results(results))
+    row = {"kind": "prefill + context", "T": 16384, "N": 128, "unfused_us": 1000.0,
+           "fused_us": 800.0, "unfused_stage_us": 300.0, "fused_stage_us": 250.0,
+           "saved_us": 200.0}
+    (results / report.OUTPUT_QUANT[1]).write_text(json.dumps(
+        {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-08", "commit": "0000000",
+         "results": [row]}))
+    text = report.render_performance(tables.Results(results))
+    assert "### The attention output in fp8 for o_proj" in text
+    assert "| prefill + context, 16,384 tokens | 128 | 300.0 / 250.0 | 1,000.0 / 800.0 |" \
+        " 200.0 (20%) |" in text
