@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     # The attention layer (and the public merge op over it).
     ("pagedmla.attention", "pagedmla.merge"),
     ("pagedmla.models",),
-    # Tensor / decode context parallelism: knows nothing of the engine above it.
+    # Tensor, decode and prefill context parallelism: nothing of the engine above it.
     ("pagedmla.distributed",),
     ("pagedmla.engine",),
     # The HTTP server over the online engine.

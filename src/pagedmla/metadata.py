@@ -24,7 +24,6 @@ from pagedmla.routing import PathCostModel
 
 if TYPE_CHECKING:
     from pagedmla.cache import LatentKVCache
-    from pagedmla.distributed.pcp import PCPLatents
     from pagedmla.ops import Backend
 
 
@@ -48,10 +47,8 @@ class BatchSpec:
 
 
 class Workspace:
-    """Scratch rows for gathered context, shared by every layer of a model.
-
-    Allocated on first use for a (width, dtype) pair, then reused every step.
-    """
+    """Scratch rows for gathered context, shared by every layer of a model: allocated on
+    first use for a (width, dtype) pair, then reused every step."""
 
     def __init__(self, rows: int, device: torch.device) -> None:
         self.rows = rows
@@ -77,6 +74,15 @@ class DecodeHook(Protocol):
     def combine(self, out: torch.Tensor, lse: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Partials over this rank's rows, out [Td, D * N, L], lse [D * N, Td] -> the
         result for this rank's N heads, [Td, N, L]."""
+        ...
+
+
+class LatentGather(Protocol):
+    """Prefill context parallelism's write of every rank's new latents (implemented by
+    `pagedmla.distributed.pcp.PCPLatents`)."""
+
+    def gather(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's kv_c [T, L], k_pe [T, R] -> the group's, and their slots."""
         ...
 
 
@@ -116,12 +122,10 @@ class DecodeMetadata:
 
 @dataclass
 class ContextChunk:
-    """One workspace-sized slice of paged context for a run of prefills.
-
-    Indices are relative to the prefill part of the batch. The chunk gathers, for each
-    covered request j, context rows [starts[j], starts[j] + seq_lens[j]) into workspace
-    rows [cu_seq_lens[j], cu_seq_lens[j + 1]); the queries are the tokens token_slice.
-    """
+    """One workspace-sized slice of paged context for a run of prefills. Indices are
+    relative to the prefill part of the batch. The chunk gathers, for each covered
+    request j, context rows [starts[j], starts[j] + seq_lens[j]) into workspace rows
+    [cu_seq_lens[j], cu_seq_lens[j + 1]); the queries are the tokens token_slice."""
 
     index: int
     request_slice: slice
@@ -141,11 +145,9 @@ class ContextChunk:
 
 @dataclass
 class ChunkedContext:
-    """All context chunks of the prefills, and the prefills that have no context.
-
-    dcp: under decode context parallelism, how each chunk's rows are collected from the
-    ranks that hold them (replaces the local gather); None on a single rank.
-    """
+    """All context chunks of the prefills, and the prefills that have no context. dcp:
+    under decode context parallelism, how each chunk's rows are collected from the ranks
+    that hold them (replaces the local gather); None on a single rank."""
 
     context_lens: list[int]
     chunks: list[ContextChunk]
@@ -157,10 +159,8 @@ class ChunkedContext:
 @dataclass
 class PrefillMetadata:
     """Requests after the decodes: MHA over new tokens, then over context chunks.
-
     block_table [Bp, max_blocks] int32; query_start_loc [Bp + 1] int32, relative to the
-    first prefill token.
-    """
+    first prefill token."""
 
     block_table: torch.Tensor
     query_start_loc: torch.Tensor
@@ -213,7 +213,7 @@ class MLAMetadata:
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
     sparse: SparseMetadata | None = None
-    pcp: PCPLatents | None = None
+    pcp: LatentGather | None = None
 
     def for_forward(self) -> MLAMetadata:
         """This metadata for one forward over all layers: its decode part gets an empty
