@@ -7,6 +7,7 @@ from pagedmla.cache import LatentKVCache
 from pagedmla.dims import MLADims, softmax_scale
 from pagedmla.merge import merge_attn_states
 from pagedmla.metadata import BatchSpec, MLAMetadata, MLAMetadataBuilder
+from pagedmla.ops.output_quant import OutputQuant, QuantizedOutput
 from pagedmla.planner import plan_context_chunks
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "MLADims",
     "MLAMetadata",
     "MLAMetadataBuilder",
+    "OutputQuant",
+    "QuantizedOutput",
     "SamplingParams",
     "merge_attn_states",
     "plan_context_chunks",
