@@ -122,13 +122,14 @@ def compile_decode(batch: int, heads: int, context: int, fp8: bool = False,
                       starts, 1, context, L, (L + R) ** -0.5)
 
 
-def compile_invariant_decode(tokens: int, heads: int, fp8: bool) -> None:
+def compile_invariant_decode(tokens: int, heads: int, fp8: bool, L: int = 512,
+                             R: int = 64) -> None:
     """Build the batch-invariant decode kernel for `tokens` rows of requests at 4096
-    positions, N = heads, DeepSeek widths, a bf16 or fp8 cache."""
+    positions, N = heads, widths L and R (DeepSeek's by default), a bf16 or fp8 cache."""
     from pagedmla.cache import FP8_DTYPE
     from pagedmla.ops.triton import invariant_decode
 
-    L, R, page, context = 512, 64, 64, 4096
+    page, context = 64, 4096
     blocks = tokens * context // page
     data = torch.zeros(blocks, page, L + R, dtype=torch.bfloat16)
     q = torch.zeros(tokens, heads, L + R, dtype=torch.bfloat16)
@@ -433,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     builds += [(f"batch-invariant decode {'fp8' if fp8 else 'bf16'}, {heads} heads",
                 compile_invariant_decode, (64, heads, fp8)) for heads in (16, 128)
                for fp8 in (False, True)]
+    builds += [("batch-invariant decode bf16, L 32, R 8 (the tests' widths)",
+                compile_invariant_decode, (64, 4, False, 32, 8))]
     builds += [(f"sparse {'fp8_ds_mla' if ds else 'bf16'}, {heads} heads", compile_sparse,
                 (64, heads, ds)) for heads in (16, 128) for ds in (True, False)]
     kinds = ("bf16", "fp8", "fp8_ds_mla")

@@ -377,7 +377,7 @@ def modes_table(run: dict, default: str = "cuda_graphs_async") -> list[str]:
 
 def output_quant_table(run: dict) -> list[str]:
     """bench_output_quant: the output stage and o_proj, bf16 output against fp8 codes."""
-    rows = [[f"{r['kind']}, {r['T']:,} tokens", str(r["N"]),
+    rows = [[f"{r['kind']}, T {r['T']:,}", str(r["N"]),
              f"{num(r['unfused_stage_us'], 1)} / {num(r['fused_stage_us'], 1)}",
              f"{num(r['unfused_us'], 1)} / {num(r['fused_us'], 1)}",
              f"{num(r['saved_us'], 1)} ({pct(100 * r['saved_us'] / r['unfused_us'])})"]

@@ -212,10 +212,11 @@ LIMITS = {
     "context run the Gluon kernel.",
     "prefill_kernel": "The tensor cores, and at N = 128 reuse through L2: heads are "
     "launched in groups whose keys and values fit half the L2.",
-    "gemm_read": "Not the HBM: at 7-31% of its read rate the kernel is bound by its "
-    "own instructions (not yet profiled). Suspected: below 64 rows the fp8 dot is not a "
-    "wgmma, and each program quantizes its x tiles with IEEE divisions in every K step; "
-    "`dequantize_weights=True` serves such checkpoints with bf16 GEMMs meanwhile.",
+    "gemm_read": "Not the HBM: each program quantizing its x tiles in every K step. On "
+    "codes quantized beforehand the same GEMM runs o_proj (M 1 and 64) 2.4-3.2x faster "
+    "(bench_output_quant on an H100: the attention output in fp8); `pick_config` still "
+    "quantizes in the programs below 65 rows until bench_fp8_gemm --sweep confirms it "
+    "for every shape.",
     "gemm_compute": "Pointer loads without the bulk-copy engine, and each 128-column K "
     "step scales its products by both block scales in float32 outside the tensor cores, "
     "which ends the asynchronous MMA chain every step (not yet profiled).",

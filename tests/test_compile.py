@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from pagedmla import LLM, EngineArgs, SamplingParams
 from pagedmla.attention.opaque import compile_supported
 from pagedmla.models.tiny import write_tiny_checkpoint
-from tests.engine_helpers import assert_same_completions
+from tests.engine_helpers import assert_same_completions, assert_same_until_a_near_tie
 from tests.test_engine_parity import _check_against_hf, _prompts
 from tests.tiny_hf import V3, make_hf_model, save_hf_checkpoint
 
@@ -169,8 +169,11 @@ def test_compiled_engine_on_cuda_matches_eager(v3_checkpoint, dtype) -> None:
     hf, path = v3_checkpoint
     prompts = _prompts(97, [3, 17, 40, 9, 30], seed=11, shared_prefix=16)
     options = dict(device="cuda", dtype=dtype, max_num_seqs=8, warmup=False)
-    eager = _llm(path, **options).generate(prompts, GREEDY, use_tqdm=False)
-    compiled = _llm(path, compile=True, **options).generate(prompts, GREEDY, use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    eager = _llm(path, **options).generate(prompts, greedy, use_tqdm=False)
+    compiled = _llm(path, compile=True, **options).generate(prompts, greedy, use_tqdm=False)
     if dtype == torch.float32:
         _check_against_hf(hf, prompts, compiled)
-    assert_same_completions(eager, compiled, tol=1e-4 if dtype == torch.float32 else 5e-2)
+        assert_same_completions(eager, compiled, tol=1e-4)
+    else:  # Inductor's norms and rotary round otherwise than the hand-fused kernels
+        assert_same_until_a_near_tie(eager, compiled, tol=5e-2)

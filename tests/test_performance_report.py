@@ -218,5 +218,5 @@ def test_output_quant_renders(tmp_path: Path) -> None:
          "results": [row]}))
     text = report.render_performance(tables.Results(results))
     assert "### The attention output in fp8 for o_proj" in text
-    assert "| prefill + context, 16,384 tokens | 128 | 300.0 / 250.0 | 1,000.0 / 800.0 |" \
+    assert "| prefill + context, T 16,384 | 128 | 300.0 / 250.0 | 1,000.0 / 800.0 |" \
         " 200.0 (20%) |" in text

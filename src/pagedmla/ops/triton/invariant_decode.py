@@ -112,8 +112,9 @@ def invariant_decode(
     _invariant_decode_kernel[(T, triton.cdiv(N, BLOCK_H))](
         q.contiguous(), data, scale, block_table, seq_lens, query_start_loc, token_req, out,
         lse, T, block_table.stride(0), softmax_scale,
-        N=N, L=L, R=width - L, PAGE=data.shape[1], BLOCK_L=next_pow2(L),
-        BLOCK_R=next_pow2(max(width - L, 1)), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        # tl.dot takes K >= 16 on the GPU: narrower widths are padded (masked).
+        N=N, L=L, R=width - L, PAGE=data.shape[1], BLOCK_L=max(16, next_pow2(L)),
+        BLOCK_R=max(16, next_pow2(width - L)), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         FP8=data.dtype == FP8_DTYPE, PRECISION=dot_precision(q.dtype), num_warps=4,
     )
     return out, lse
