@@ -313,21 +313,13 @@ def startup_section(res: Results) -> list[str]:
             *startup.first_call_table(cold, warm)]
 
 
-def modes_section(res: Results) -> list[str]:
-    """torch.compile and batch invariance against the default mode, where measured."""
-    for name in ENGINE_MODES:
+def measured_section(res: Results, names: tuple[str, ...], heading: str, about: str,
+                     make: Callable[[dict], list[str]]) -> list[str]:
+    """A section from the first of `names` (one result file per card) that exists; none
+    where no card measured it."""
+    for name in names:
         if res.has(name):
-            return ["### torch.compile and batch invariance", res.source(name), "",
-                    text.MODES, "", *modes_table(res.load(name))]
-    return []
-
-
-def output_quant_section(res: Results) -> list[str]:
-    """The attention output handed to o_proj in fp8 against bf16, where measured."""
-    for name in OUTPUT_QUANT:
-        if res.has(name):
-            return ["### The attention output in fp8 for o_proj", res.source(name), "",
-                    text.OUTPUT_QUANT, "", *output_quant_table(res.load(name))]
+            return [heading, res.source(name), "", about, "", *make(res.load(name))]
     return []
 
 
@@ -351,13 +343,15 @@ def render_performance(res: Results) -> str:
         "## Prefill", res.source("kernels_h200.json"), "", text.PREFILL, "",
         *prefill_table(kernels),
         "## Merge", res.source("kernels_h200.json"), "", text.MERGE, "", *merge_table(kernels),
-        *output_quant_section(res),
+        *measured_section(res, OUTPUT_QUANT, "### The attention output in fp8 for o_proj",
+                          text.OUTPUT_QUANT, output_quant_table),
         "## Engine", *(res.source(n) for n in ("engine_h200.json", "engine_moe_h200.json",
                                                 "engine_b144_h200.json")),
         "", text.ENGINE, "", *engine,
         "### Steps that admit a prompt", res.source("engine_mixed_h200.json"), "",
         text.MIXED, "", *mixed_table(res.load("engine_mixed_h200.json")),
-        *modes_section(res),
+        *measured_section(res, ENGINE_MODES, "### torch.compile and batch invariance",
+                          text.MODES, modes_table),
         "## Parallel", res.source("engine_tp2_2xh200.json"),
         res.source("engine_tp2_dcp2_2xh200.json"), "", text.PARALLEL, "", *parallel,
         "### Decode context parallelism, eager steps", res.source("dcp_2xh200.json"), "",
