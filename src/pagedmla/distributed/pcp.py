@@ -50,11 +50,12 @@ def plan_shares(
     uses_mqa(query_len, context_len): the metadata builder's path choice.
     """
     contexts = [s - q for q, s in zip(query_lens, seq_lens)]
-    if all(uses_mqa(q, c) for q, c in zip(query_lens, contexts)):
+    mqa = [uses_mqa(q, c) for q, c in zip(query_lens, contexts)]
+    if all(mqa):
         return None
     shares: list[list[Piece]] = [[] for _ in range(size)]
-    for b, (q, c) in enumerate(zip(query_lens, contexts)):
-        if uses_mqa(q, c):
+    for b, q in enumerate(query_lens):
+        if mqa[b]:
             shares[0].append((b, 0, q))
             continue
         bounds = [k * q // (2 * size) for k in range(2 * size + 1)]
@@ -151,9 +152,9 @@ class PrefillContextParallel:
         rows = [np.concatenate([np.arange(starts[b] + a, starts[b] + e) for b, a, e in share])
                 for share in shares]
         M = max(len(r) for r in rows)
-        slots = torch.full((len(rows), M), -1, dtype=torch.int64)
+        slots = np.full((len(rows), M), -1, dtype=np.int64)
         for k, r in enumerate(rows):
-            slots[k, : len(r)] = spec.slot_mapping[torch.from_numpy(r)]
+            slots[k, : len(r)] = spec.slot_mapping.numpy()[r]
         mine = shares[self.state.pcp_rank]
         local = BatchSpec(
             query_lens=[e - a for _, a, e in mine],
@@ -177,7 +178,7 @@ class PrefillContextParallel:
         for k in range(len(rows)):
             rank_order[by == k] = np.arange(counts[k])
         order = by * Ms + rank_order
-        upload = torch.from_numpy(np.concatenate([index, order, slots.view(-1).numpy()]))
+        upload = torch.from_numpy(np.concatenate([index, order, slots.reshape(-1)]))
         device = upload.to(self.device, non_blocking=True)
         latents = PCPLatents(self.state, self.local_slots(device[index.size + order.size :]), M)
         return PCPStep(
