@@ -9,13 +9,15 @@ present once per layer).
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 from pagedmla import LLM, EngineArgs, SamplingParams
-from pagedmla.attention.opaque import compile_supported
+from pagedmla.attention.opaque import ForwardStep, compile_supported
 from pagedmla.models.tiny import write_tiny_checkpoint
 from tests.engine_helpers import assert_same_completions, assert_same_until_a_near_tie
 from tests.test_engine_parity import _check_against_hf, _prompts
@@ -86,6 +88,15 @@ def test_one_graph_per_token_count_class_with_opaque_attention(v3_checkpoint) ->
     for graph in recorder.graphs:
         assert recorder.count(graph, "mla_attention") == layers
         assert recorder.count(graph, "fused_experts") == moe
+
+
+def test_a_step_pickles_as_its_type_alone() -> None:
+    """Inductor's FX graph cache pickles the step into each graph's key; the weights and
+    caches it reaches are the graph's inputs and must not be copied into that key."""
+    step = ForwardStep([torch.nn.Linear(512, 512)], [torch.randn(1 << 18)], None)
+    blob = pickle.dumps(step)
+    assert len(blob) < 256
+    assert type(pickle.loads(blob)) is ForwardStep
 
 
 def test_sparse_model_compiles(tmp_path) -> None:

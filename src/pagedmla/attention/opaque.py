@@ -46,6 +46,13 @@ class ForwardStep(OpaqueBase):  # type: ignore[misc,valid-type]
         self.caches = caches
         self.meta = meta
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Pickled only for the key of Inductor's FX graph cache, which would otherwise
+        # copy every weight and cache reachable from here to the host on each compile
+        # (minutes at real sizes). The step's contents are inputs of a compiled graph,
+        # not part of it: the key needs the type alone.
+        return ForwardStep.__new__, (ForwardStep,)
+
     def uses_indices(self) -> bool:
         """Whether attention attends to the indexers' top-k (a sparse batch) or densely."""
         sparse = self.meta.sparse
