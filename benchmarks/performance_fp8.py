@@ -59,33 +59,24 @@ def _grid(gemm: dict, rows: list[dict], cell: Callable[[dict], str]) -> list[lis
     return out
 
 
-def gemm_tables(gemm: dict) -> list[str]:
-    """Two grids of shapes by M: time and the weight's read rate for M <= 64, TFLOP/s
-    and the ratios to both baselines above; bold where a row misses its target."""
+def gemm_table(gemm: dict) -> list[str]:
+    """One grid of shapes by M: time and the weight's read rate for M <= 64, TFLOP/s and
+    the ratios to both baselines above; bold where a row misses its target."""
     results = gemm["results"]
-    small = [r for r in results if r["M"] <= 64]
-    large = [r for r in results if r["M"] > 64]
 
-    def read(r: dict) -> str:
-        return _bold(f"{num(r['us'])} µs, {pct(100 * r['read_fraction'])}",
-                     not gemm_read_ok(r))
-
-    def rate(r: dict) -> str:
+    def cell(r: dict) -> str:
+        if r["M"] <= 64:
+            return _bold(f"{num(r['us'])} µs, {pct(100 * r['read_fraction'])}",
+                         not gemm_read_ok(r))
         text = f"{num(r['tflops'], 0)}, {times(r['vs_bf16'])}"
         text += f", {times(r['vs_scaled_mm'])}" if r.get("vs_scaled_mm") else ", n/a"
         return _bold(text, gemm_compute_bound(r) and not gemm_compute_ok(r))
 
-    out: list[str] = []
-    if small:
-        tokens = sorted({r["M"] for r in small})
-        out += table(["shape (N × K)", *(f"M {m}: µs, % HBM read" for m in tokens)],
-                     _grid(gemm, small, read))
-    if large:
-        tokens = sorted({r["M"] for r in large})
-        out += ["", *table(["shape (N × K)",
-                            *(f"M {m}: TFLOP/s, vs bf16, vs scaled_mm" for m in tokens)],
-                           _grid(gemm, large, rate))]
-    return out
+    if not results:
+        return []
+    header = [f"M {m}: µs, % HBM read" if m <= 64 else f"M {m}: TFLOP/s, vs bf16, vs scaled_mm"
+              for m in sorted({r["M"] for r in results})]
+    return table(["shape (N × K)", *header], _grid(gemm, results, cell))
 
 
 def gemm_ceilings(gemm: dict) -> str:
@@ -221,7 +212,7 @@ def measured_lines(plan: dict) -> list[str]:
     out = [f"Checked against [{measured['source']}](results/{measured['source']}) "
            f"({measured['gpu']}, one GPU, TP 1): the same count for its "
            f"{measured['layers']}-layer and 1-layer models equals the weight GiB the engine "
-           f"reported there ({', '.join(runs)}), to 1e-6 GiB.", "",
+           f"reported there ({', '.join(runs)}), to 1e-6 GiB.",
            f"Step time, extrapolated: {plan['layers']} × the decode ms per MoE layer "
            "measured on one GPU at TP 1 (all 256 experts and 128 heads on the card). Not a "
            "multi-GPU measurement: at TP 8 a rank runs 16 heads and 32 experts per layer, "

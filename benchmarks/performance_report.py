@@ -31,16 +31,16 @@ from benchmarks.performance_tables import (
     Results,
     cached_tokens,
     ceilings_table,
-    dcp_table,
+    dcp_lines,
     decode_label,
     decode_rows,
     decode_table,
     engine_table,
     experts_table,
     memory_bound,
+    merge_lines,
     merge_rows,
-    merge_table,
-    mixed_table,
+    mixed_lines,
     modes_table,
     moe_ceilings,
     num,
@@ -274,10 +274,10 @@ def fp8_sections(res: Results) -> list[str]:
     out: list[str] = []
     if res.has(FP8_GEMM):
         gemm = res.load(FP8_GEMM)
-        out += ["## fp8 linear layers", res.source(FP8_GEMM), "", text.FP8_GEMM, "",
-                fp8.gemm_ceilings(gemm), "", *fp8.gemm_tables(gemm)]
+        out += ["## fp8 linear layers", res.source(FP8_GEMM), "", text.FP8_GEMM,
+                fp8.gemm_ceilings(gemm), "", *fp8.gemm_table(gemm)]
     if res.has(FP8_MOE):
-        out += ["## fp8 routed experts", res.source(FP8_MOE), "", text.FP8_EXPERTS, "",
+        out += ["## fp8 routed experts", res.source(FP8_MOE), "", text.FP8_EXPERTS,
                 moe_ceilings(res.load(FP8_MOE)), "", *fp8.fp8_experts_table(res.load(FP8_MOE))]
     if res.has(V3_LAYERS):
         out += ["## DeepSeek-V3 layers, fp8 against bf16", res.source(V3_LAYERS), "",
@@ -286,7 +286,7 @@ def fp8_sections(res: Results) -> list[str]:
         plan = res.load(MEMORY_PLAN)
         out += ["## DeepSeek-V3/R1 on one node: the memory plan", res.source(MEMORY_PLAN), "",
                 text.MEMORY_PLAN, "", *fp8.memory_plan_table(plan), "",
-                fp8.memory_plan_inputs(plan), "", *fp8.measured_lines(plan), "",
+                fp8.memory_plan_inputs(plan), *fp8.measured_lines(plan), "",
                 *fp8.sparse_memory_lines(plan)]
     return out
 
@@ -330,36 +330,29 @@ def render_performance(res: Results) -> str:
     engine = engine_table([res.load(name) for name in ("engine_h200.json",
                                                        "engine_moe_h200.json",
                                                        "engine_b144_h200.json")])
-    dcp = res.load("dcp_2xh200.json")
-    parity = dcp.get("parity", {})
     sections = [
-        text.INTRO, "## Method", text.METHOD,
-        "## Ceilings", res.source("kernels_h200.json"), "", *ceilings_table(kernels),
+        text.INTRO, "## Method and ceilings", text.METHOD, "", res.source("kernels_h200.json"),
+        "", *ceilings_table(kernels),
         "## Against the targets", text.TARGETS_INTRO, "", *targets_table(res),
         "## Decode", res.source("kernels_h200.json"), "", text.DECODE, "",
-        *decode_table(kernels), "", reference_note(kernels), "", text.PLOTS,
+        *decode_table(kernels), "", reference_note(kernels), text.PLOTS,
         "### Past one wave of requests", res.source("split_plan_h200.json"), "",
         text.SPLIT_PLAN, "", *plan_table(res.load("split_plan_h200.json")),
-        "## Prefill", res.source("kernels_h200.json"), "", text.PREFILL, "",
-        *prefill_table(kernels),
-        "## Merge", res.source("kernels_h200.json"), "", text.MERGE, "", *merge_table(kernels),
+        "## Prefill and merge", res.source("kernels_h200.json"), "", text.PREFILL, "",
+        *prefill_table(kernels), "", *merge_lines(kernels, text.MERGE),
         *measured_section(res, OUTPUT_QUANT, "### The attention output in fp8 for o_proj",
                           text.OUTPUT_QUANT, output_quant_table),
         "## Engine", *(res.source(n) for n in ("engine_h200.json", "engine_moe_h200.json",
-                                                "engine_b144_h200.json")),
-        "", text.ENGINE, "", *engine,
-        "### Steps that admit a prompt", res.source("engine_mixed_h200.json"), "",
-        text.MIXED, "", *mixed_table(res.load("engine_mixed_h200.json")),
+                                                "engine_b144_h200.json",
+                                                "engine_mixed_h200.json")),
+        "", text.ENGINE, "", *engine, "", *mixed_lines(res.load("engine_mixed_h200.json")),
         *measured_section(res, ENGINE_MODES, "### torch.compile and batch invariance",
                           text.MODES, modes_table),
-        "## Parallel", res.source("engine_tp2_2xh200.json"),
-        res.source("engine_tp2_dcp2_2xh200.json"), "", text.PARALLEL, "", *parallel,
-        "### Decode context parallelism, eager steps", res.source("dcp_2xh200.json"), "",
-        text.DCP, "", *dcp_table(dcp), "",
-        f"Parity on the same machine (TP 2 + DCP 2 against one process, tiny model, float32, "
-        f"NCCL): greedy tokens {'identical' if parity.get('tokens_identical') else 'differ'}, "
-        f"largest logprob difference {parity.get('max_logprob_diff', float('nan')):.1e}.",
-        "## Routed experts", res.source("moe_h200.json"), "", text.EXPERTS, "",
+        "## Parallel", *(res.source(n) for n in ("engine_tp2_2xh200.json",
+                                                  "engine_tp2_dcp2_2xh200.json",
+                                                  "dcp_2xh200.json")),
+        "", text.PARALLEL, "", *parallel, "", *dcp_lines(res.load("dcp_2xh200.json")),
+        "## Routed experts", res.source("moe_h200.json"), "", text.EXPERTS,
         moe_ceilings(res.load("moe_h200.json")), "",
         *experts_table(res.load("moe_h200.json")),
         *fp8_sections(res),
@@ -367,7 +360,6 @@ def render_performance(res: Results) -> str:
         *startup_section(res),
         "## MQA or MHA", res.source("routing_h200.json"), "", text.ROUTING, "",
         *routing_lines(res.load("routing_h200.json")),
-        "## CPU", text.CPU,
     ]
     out: list[str] = []
     for part in sections:

@@ -32,16 +32,31 @@ def phases_table(cold: dict, warm: dict) -> list[str]:
 
 
 def first_call_table(cold: dict, warm: dict) -> list[str]:
+    """One row per workload, one group of columns per run (compile cache, KV cache): the
+    first call, the later one, their ratio and the kernel variants each built; a column
+    names the kernels built in any of them."""
+    results = (("empty", cold), ("filled", warm))
+    runs = [(label, cache) for label, result in results for cache in result["args"]["caches"]]
+    by = {(label, cache, name): run for label, result in results
+          for cache, name, run in _runs(result)}
     rows = []
-    for label, result in (("empty", cold), ("filled", warm)):
-        for cache, name, run in _runs(result):
-            built = [sum(c.values()) for c in run["compiled"]]
-            names = sorted({k for c in run["compiled"] for k in c})
-            rows.append([label, cache, name, num(run["first_s"], 3), num(run["steady_s"], 3),
-                         times(run["ratio"]), f"{built[0]} / {sum(built[1:])}",
-                         ", ".join(f"`{n}`" for n in names)])
-    return table(["compile cache", "KV cache", "workload", "first s", "later s", "ratio",
-                  "variants built (first / later)", "kernels"], rows, left=3)
+    for name in dict.fromkeys(name for _, _, name in by):
+        cells: list[str] = []
+        kernels: set[str] = set()
+        for label, cache in runs:
+            run = by.get((label, cache, name))
+            if run is None:
+                cells += ["", "", "", ""]
+                continue
+            built = [sum(calls.values()) for calls in run["compiled"]]
+            kernels.update(k for calls in run["compiled"] for k in calls)
+            cells += [num(run["first_s"], 3), num(run["steady_s"], 3), times(run["ratio"]),
+                      f"{built[0]} / {sum(built[1:])}"]
+        rows.append([name, ", ".join(f"`{k}`" for k in sorted(kernels)), *cells])
+    header = ["workload", "kernels built"]
+    for label, cache in runs:
+        header += [f"{label}, {cache}: first s", "later s", "ratio", "built: first / later"]
+    return table(header, rows, left=2)
 
 
 def first_call(cold: dict, warm: dict) -> tuple[str, list[bool]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,12 @@ def span(values: Iterable[float], digits: int = 0, unit: str = "") -> str:
     return (low if low == high else f"{low}-{high}") + unit
 
 
+def paragraph(text: str, width: int = 92) -> list[str]:
+    """`text` wrapped at `width`, a number never parted from its unit ("421.2 µs")."""
+    glued = re.sub(r"(\d) (µs|ms|s|TB/s|GiB)\b", "\\1\0\\2", text)
+    return [line.replace("\0", " ") for line in textwrap.wrap(glued, width)]
+
+
 def table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
     """A markdown table; the first `left` columns are text, the others numbers."""
     rule = ["---"] * left + ["---:"] * (len(header) - left)
@@ -115,13 +122,13 @@ def table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
 
 def ceilings_table(kernels: dict) -> list[str]:
     ceil = kernels["ceilings"]
-    return table(["ceiling", "measured"], [
-        ["HBM read (the faster of `torch.sum` and a plain Triton read of 4 GiB)",
-         f"{num(ceil['hbm_read_tbps'], 2)} TB/s"],
-        ["HBM read by `torch.sum`", f"{num(ceil.get('hbm_read_torch_sum_tbps'), 2)} TB/s"],
-        ["device copy", f"{num(ceil['hbm_copy_tbps'], 2)} TB/s"],
-        ["bf16 matmul (8192³)", f"{num(ceil['bf16_matmul_tflops'], 0)} TFLOP/s"],
-    ])
+    return table(["HBM read (faster of `torch.sum` and a Triton read of 4 GiB)",
+                  "HBM read by `torch.sum`", "device copy", "bf16 matmul (8192³)"], [[
+        f"{num(ceil['hbm_read_tbps'], 2)} TB/s",
+        f"{num(ceil.get('hbm_read_torch_sum_tbps'), 2)} TB/s",
+        f"{num(ceil['hbm_copy_tbps'], 2)} TB/s",
+        f"{num(ceil['bf16_matmul_tflops'], 0)} TFLOP/s",
+    ]], left=0)
 
 
 def runs_of(lengths: str) -> list[tuple[int, int]]:
@@ -243,36 +250,54 @@ def plan_batch(batch: str) -> tuple[int, int] | None:
 # -- prefill, merge, experts, routing --------------------------------------------------
 
 def prefill_table(kernels: dict) -> list[str]:
+    """One row per shape and N: the Gluon kernel (`varlen_attention`) and the backend op
+    (`prefill_attention`) side by side, with the portable Triton kernel and cuDNN SDPA of
+    the same run (none for ragged batches)."""
     matmul = kernels["ceilings"]["bf16_matmul_tflops"]
-    rows = []
+    pairs: dict[tuple[str, int], dict[str, dict]] = {}
     for r in kernels["results"]:
-        if r["kernel"] not in ("varlen_attention", "prefill_attention"):
-            continue
-        op = ("backend op" if r["kernel"] == "prefill_attention"
-              else f"{str(r.get('stage', '')).capitalize()} kernel")
-        base = r.get("baseline_us")
+        if r["kernel"] in ("varlen_attention", "prefill_attention"):
+            pairs.setdefault((r["shape"], r["N"]), {})[r["kernel"]] = r
+
+    def vs_cudnn(r: dict | None) -> str:
+        return times(r["baseline_us"] / r["us"]) if r and r.get("baseline_us") else ""
+
+    rows = []
+    for (shape, heads), by_kernel in pairs.items():
+        kernel, op = by_kernel.get("varlen_attention"), by_kernel.get("prefill_attention")
+        either = op or kernel  # the Triton kernel's and cuDNN's times are the same in both
+        host = [num(r.get("host_us"), 0) if r else "" for r in (kernel, op)]
         rows.append([
-            r["shape"], str(r["N"]), op, num(r["us"]), num(r["tflops"], 0),
-            pct(100 * r["tflops"] / matmul), num(r.get("triton_kernel_us")), num(base),
-            times(base / r["us"]) if base else "", num(r.get("host_us"), 0),
+            shape, str(heads),
+            num(kernel["us"]) if kernel else "", num(kernel["tflops"], 0) if kernel else "",
+            vs_cudnn(kernel),
+            num(op["us"]) if op else "", num(op["tflops"], 0) if op else "",
+            pct(100 * op["tflops"] / matmul) if op else "", vs_cudnn(op),
+            num(either.get("triton_kernel_us")), num(either.get("baseline_us")),
+            " / ".join(host),
         ])
-    header = ["shape", "N", "op", "µs", "TFLOP/s", "% matmul", "Triton kernel µs",
-              "cuDNN SDPA µs", "vs cuDNN", "host µs per call"]
-    return table(header, rows, left=3)
+    header = ["shape", "N", "Gluon kernel µs", "TFLOP/s", "vs cuDNN", "backend op µs",
+              "TFLOP/s", "% matmul", "vs cuDNN", "Triton kernel µs", "cuDNN SDPA µs",
+              "host µs per call: kernel / op"]
+    return table(header, rows, left=2)
 
 
 def merge_rows(kernels: dict) -> list[dict]:
     return [r for r in kernels["results"] if r["kernel"] == "merge_attn_states"]
 
 
-def merge_table(kernels: dict) -> list[str]:
+def merge_lines(kernels: dict, about: str, width: int = 92) -> list[str]:
+    """`about` (what the merge reads and writes) and each measured shape's time, rate and
+    speed-up over `torch.compile` of the reference, as one wrapped paragraph."""
     copy = kernels["ceilings"]["hbm_copy_tbps"]
-    rows = [[f"T {r['T']}, N {r['N']}, D {r['D']}", num(r["us"]), num(r["tbps"], 2),
-             pct(100 * r["tbps"] / copy), num(r.get("baseline_us")),
-             times(r["baseline_us"] / r["us"]) if r.get("baseline_us") else ""]
-            for r in merge_rows(kernels)]
-    return table(["shape", "µs", "TB/s", "% of a device copy", "torch.compile µs",
-                  "speed-up"], rows)
+    measured = []
+    for r in merge_rows(kernels):
+        base = r.get("baseline_us")
+        measured.append(
+            f"At T {r['T']}, N {r['N']}, D {r['D']} it takes {num(r['us'])} µs, "
+            f"{num(r['tbps'], 2)} TB/s ({pct(100 * r['tbps'] / copy)} of a device copy)"
+            + (f"; `torch.compile`: {num(base)} µs ({times(base / r['us'])})." if base else "."))
+    return paragraph(" ".join([about, *measured]), width)
 
 
 def moe_ceilings(moe: dict) -> str:
@@ -376,34 +401,61 @@ def modes_table(run: dict, default: str = "cuda_graphs_async") -> list[str]:
 
 
 def output_quant_table(run: dict) -> list[str]:
-    """bench_output_quant: the output stage and o_proj, bf16 output against fp8 codes."""
-    rows = [[f"{r['kind']}, T {r['T']:,}", str(r["N"]),
-             f"{num(r['unfused_stage_us'], 1)} / {num(r['fused_stage_us'], 1)}",
-             f"{num(r['unfused_us'], 1)} / {num(r['fused_us'], 1)}",
-             f"{num(r['saved_us'], 1)} ({pct(100 * r['saved_us'] / r['unfused_us'])})"]
-            for r in run["results"]]
-    return table(["case", "N", "stage µs: bf16 / fp8", "with o_proj µs: bf16 / fp8",
-                  "saved µs"], rows, left=1)
-
-
-def mixed_table(mixed: dict) -> list[str]:
+    """bench_output_quant: the output stage and o_proj, bf16 output against fp8 codes; one
+    row per case (kind and T), one group of columns per N."""
+    results = run["results"]
+    heads = list(dict.fromkeys(r["N"] for r in results))
+    by = {(r["kind"], r["T"], r["N"]): r for r in results}
     rows = []
+    for kind, tokens in dict.fromkeys((r["kind"], r["T"]) for r in results):
+        line = [f"{kind}, T {tokens:,}"]
+        for n in heads:
+            r = by.get((kind, tokens, n))
+            line += ["", "", ""] if r is None else [
+                f"{num(r['unfused_stage_us'])} / {num(r['fused_stage_us'])}",
+                f"{num(r['unfused_us'])} / {num(r['fused_us'])}",
+                f"{num(r['saved_us'])} ({pct(100 * r['saved_us'] / r['unfused_us'])})"]
+        rows.append(line)
+    header = ["case"]
+    for n in heads:
+        header += [f"N {n}: stage µs, bf16 / fp8", "with o_proj µs, bf16 / fp8", "saved µs"]
+    return table(header, rows, left=1)
+
+
+def mixed_lines(mixed: dict, width: int = 92) -> list[str]:
+    """Steps that admit a prompt (bench_engine with --arrivals), each mode a sentence of a
+    wrapped paragraph: the step's time against a decode step's, and the share planned
+    ahead."""
+    sentences = []
     for mode, r in mixed["runs"].items():
         if "mixed_step_ms" not in r:
             continue
-        rows.append([
-            f"{mixed['args']['batch']} decodes + one {r['arrival_len']}-token prompt",
-            MODES.get(mode, mode), num(r["step_ms"], 2), num(r["mixed_step_ms"], 2),
-            times(r["mixed_step_ms"] / r["step_ms"]),
-            pct(100 * r["mixed_ahead_share"]) if "mixed_ahead_share" in r else "",
-        ])
-    return table(["step", "mode", "decode step ms", "step with the prompt ms",
-                  "vs a decode step", "planned ahead"], rows, left=2)
+        ahead = r.get("mixed_ahead_share")
+        sentences.append(
+            f"Steps that admit a prompt ({engine_label(mixed['args'])}, "
+            f"{MODES.get(mode, mode)}): the decodes and one {r['arrival_len']}-token prompt "
+            f"take {num(r['mixed_step_ms'], 2)} ms, {times(r['mixed_step_ms'] / r['step_ms'])} "
+            f"a decode step's {num(r['step_ms'], 2)} ms, as one CUDA graph "
+            "(`engine/prompt_rows.py`)"
+            + ("." if ahead is None else
+               f"; {pct(100 * ahead)} of them planned while the step before ran."))
+    return paragraph(" ".join(sentences), width)
 
 
-def dcp_table(dcp: dict) -> list[str]:
-    rows = [[str(r["dcp"]), str(r["batch"]), size(r["context"]), num(r["step_ms"], 1),
-             num(r["tokens_per_s"], 0), f"{r['max_context_tokens']:,}"]
-            for r in dcp["decode"]]
-    return table(["DCP", "batch", "context", "step ms", "tokens/s",
-                  "context tokens the cache holds"], rows, left=0)
+def dcp_lines(dcp: dict, width: int = 92) -> list[str]:
+    """bench_dcp's capacity (context tokens the KV cache holds per DCP size) and its parity
+    check, as a wrapped paragraph; its eager step times are not shown."""
+    holds = {r["dcp"]: r["max_context_tokens"] for r in dcp["decode"]}
+    sizes = sorted(holds)
+    capacity = " and ".join(f"{holds[d]:,}{' context tokens' if d == sizes[0] else ''} with "
+                            f"DCP {d}" for d in sizes)
+    parity = dcp.get("parity", {})
+    text = (
+        f"Capacity (`bench_dcp`, {dcp.get('model', 'DeepSeek-V2-Lite shape')}, TP "
+        f"{dcp.get('tensor_parallel_size', 2)}, {dcp.get('block_size', 64)}-token pages): "
+        f"the KV cache holds {capacity} ({times(holds[sizes[-1]] / holds[sizes[0]])}). "
+        "Parity on the same machine (TP 2 + DCP 2 against one process, tiny model, float32, "
+        "NCCL): greedy tokens "
+        f"{'identical' if parity.get('tokens_identical') else 'differ'}, largest logprob "
+        f"difference {parity.get('max_logprob_diff', float('nan')):.1e}.")
+    return paragraph(text, width)

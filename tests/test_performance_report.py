@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks import performance_report as report
 from benchmarks import performance_tables as tables
 
-MAX_PERFORMANCE_LINES = 560  # with every section rendered (see the synthetic test below)
+MAX_PERFORMANCE_LINES = 400  # with every section rendered (see the synthetic test below)
 
 
 def test_documents_match_their_results() -> None:
@@ -218,5 +218,5 @@ def test_output_quant_renders(tmp_path: Path) -> None:
          "results": [row]}))
     text = report.render_performance(tables.Results(results))
     assert "### The attention output in fp8 for o_proj" in text
-    assert "| prefill + context, T 16,384 | 128 | 300.0 / 250.0 | 1,000.0 / 800.0 |" \
-        " 200.0 (20%) |" in text
+    assert "| prefill + context, T 16,384 | 300.0 / 250.0 | 1,000.0 / 800.0 | 200.0 (20%) |" \
+        in text
