@@ -11,6 +11,9 @@ from benchmarks.performance_tables import num, table, times
 
 FIRST_CALL_RATIO = 1.2  # the first generate after LLM(...) over the same call later
 WARM_START_S = 15.0  # LLM(...) with the compiled kernels on disk
+# LLM(...)'s phases in the table; kv_scales: an fp8 cache's calibration prefill, where the
+# checkpoint ships no scales (empty where it did not run).
+PHASES = ("load", "kv_scales", "graphs", "warmup")
 
 
 def _runs(result: dict) -> list[tuple[str, str, dict]]:
@@ -25,10 +28,10 @@ def phases_table(cold: dict, warm: dict) -> list[str]:
         for cache in result["args"]["caches"]:
             r = result[cache]
             rows.append([label, cache, num(r["start_s"]),
-                         *(num(r["phases"].get(p)) for p in ("load", "graphs", "warmup")),
+                         *(num(r["phases"].get(p)) for p in PHASES),
                          str(r["start_compiles"])])
-    return table(["compile cache", "KV cache", "LLM(...) s", "load", "graphs", "warm-up",
-                  "kernel variants"], rows, left=2)
+    return table(["compile cache", "KV cache", "LLM(...) s", "load", "fp8 scales", "graphs",
+                  "warm-up", "kernel variants"], rows, left=2)
 
 
 def first_call_table(cold: dict, warm: dict) -> list[str]:

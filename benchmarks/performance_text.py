@@ -132,7 +132,8 @@ routes extends by the cost model (`route_by_cost=True`); fresh prompts take MHA.
 STARTUP = """\
 `bench_engine`'s 8 layers of V2-Lite attention, bf16, from an empty compile cache, then the
 one it filled (~70 MB); phases: design.md, Start-up. Each workload runs twice on fresh
-random prompts, first right after `LLM(...)`; "built": kernel variants built or loaded."""
+random prompts, first right after `LLM(...)`; "built": kernel variants built or loaded;
+"fp8 scales": the fp8 cache's calibration (one prefill of 1024 random tokens)."""
 
 MODES = """\
 The engine of the table above (8 layers, batch 128, context ~1k) in the default mode and in
