@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedmla import LLM, SamplingParams
-from pagedmla.engine.cuda_graph import GraphInputs, capture_sizes
+from pagedmla.engine.cuda_graph import GraphInputs, capture_sizes, graph_widths
 from pagedmla.metadata import BatchSpec
 from pagedmla.models.tiny import write_tiny_checkpoint
 from tests.engine_helpers import assert_same_completions
@@ -23,6 +23,17 @@ def test_capture_sizes_cover_every_batch() -> None:
     sizes = capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
     assert all(any(s >= b for s in sizes) for b in range(1, 257))
+
+
+def test_graph_widths_of_dense_and_sparse_models() -> None:
+    """Dense decode graphs take the whole table; a sparse model's start at the width
+    that holds top-k positions and grow 4x, the whole table last."""
+    assert graph_widths(2560, 64, None) == [2560]
+    assert graph_widths(2560, 64, 2048) == [32, 128, 512, 2048, 2560]
+    assert graph_widths(2048, 64, 2048) == [32, 128, 512, 2048]
+    assert graph_widths(40, 4, 12) == [3, 12, 40]
+    assert graph_widths(3, 4, 12) == [3]
+    assert graph_widths(2, 4, 12) == [2]
 
 
 def _decode_spec(table: list[list[int]], slots: list[int], seq_lens: list[int]) -> BatchSpec:

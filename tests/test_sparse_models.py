@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
 from pagedmla import LLM, BatchSpec, LatentKVCache, MLAMetadataBuilder, SamplingParams
+from pagedmla.engine.cuda_graph import GraphInputs, graph_metadata
 from pagedmla.models import DeepseekConfig, DeepseekForCausalLM
 from pagedmla.ops.reference_indexer import allocate_indexer_cache
 from tests.engine_helpers import assert_same_completions
@@ -55,22 +56,12 @@ def _ours(path) -> DeepseekForCausalLM:
 def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int],
                 fp8_keys: bool = False) -> torch.Tensor:
     """log_softmax of our logits [len(tokens), vocab] for one request fed in chunks
-    ending at `cuts`, over a paged cache (permuted blocks, NaN everywhere unwritten;
-    fp8_keys: the indexer keys in the fp8 layout, all bytes 0xFF, NaN codes and scales)."""
+    ending at `cuts`, over a paged cache (permuted blocks, `_caches`)."""
     config, dims = model.config, model.dims
     num_blocks = 2 + math.ceil(len(tokens) / BLOCK)
     order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3)) + 1
     table = order[:-1].view(1, -1).to(torch.int32)
-    caches = []
-    for layer in model.layers:
-        cache = LatentKVCache(num_blocks, BLOCK, dims.kv_lora_rank, dims.qk_rope_head_dim,
-                              dtype=torch.float32)
-        cache.data.fill_(math.nan)
-        if layer.self_attn.indexer is not None:
-            cache.index_keys = allocate_indexer_cache(
-                num_blocks, BLOCK, config.indexer.head_dim, torch.float32, fp8=fp8_keys)
-            cache.index_keys.fill_(0xFF if fp8_keys else math.nan)
-        caches.append(cache)
+    caches = _caches(model, num_blocks, fp8_keys)
     builder = MLAMetadataBuilder(dims, block_size=BLOCK, index_topk=config.indexer.topk)
     logprobs, start = [], 0
     for end in cuts:
@@ -81,6 +72,25 @@ def _run_chunks(model: DeepseekForCausalLM, tokens: list[int], cuts: list[int],
         logprobs.append(model.compute_logits(hidden).double().log_softmax(-1))
         start = end
     return torch.cat(logprobs)
+
+
+def _caches(model: DeepseekForCausalLM, num_blocks: int,
+            fp8_keys: bool = False) -> list[LatentKVCache]:
+    """float32 latent (and indexer key) caches for `model`, NaN everywhere unwritten
+    (fp8_keys: the indexer keys in the fp8 layout, all bytes 0xFF, NaN codes and
+    scales)."""
+    config, dims = model.config, model.dims
+    caches = []
+    for layer in model.layers:
+        cache = LatentKVCache(num_blocks, BLOCK, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                              dtype=torch.float32)
+        cache.data.fill_(math.nan)
+        if layer.self_attn.indexer is not None:
+            cache.index_keys = allocate_indexer_cache(
+                num_blocks, BLOCK, config.indexer.head_dim, torch.float32, fp8=fp8_keys)
+            cache.index_keys.fill_(0xFF if fp8_keys else math.nan)
+        caches.append(cache)
+    return caches
 
 
 def test_config_reads_the_indexer(checkpoint) -> None:
@@ -133,6 +143,55 @@ def test_fp8_indexer_keys_keep_the_selection(checkpoint, monkeypatch) -> None:
             want = {p for p in a if p >= 0}
             hits, total = hits + len(want & set(b)), total + len(want)
         assert hits >= 0.95 * total
+
+
+@pytest.mark.parametrize("prompt_lens", [[5, 20], [3, 7]], ids=["past_topk", "within_topk"])
+def test_graph_metadata_gives_the_builders_logits(checkpoint, prompt_lens) -> None:
+    """What a captured decode step of a sparse model reads (`graph_metadata` over staged
+    `GraphInputs`: two padding rows, a block table wider than the step's, every row
+    sparse) gives the logits of the builder's metadata for the same step, whose batch
+    is sparse past top-k and dense within it; the padding rows stay finite."""
+    *_, path = checkpoint
+    model = _ours(path)
+    topk = model.config.indexer.topk
+    gen = torch.Generator().manual_seed(sum(prompt_lens))
+    blocks = [math.ceil((n + 1) / BLOCK) for n in prompt_lens]
+    num_blocks = 1 + sum(blocks)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(blocks)
+    table = torch.zeros(len(blocks), width, dtype=torch.int32)
+    for row, n in enumerate(blocks):
+        table[row, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    caches = _caches(model, num_blocks)
+    builder = MLAMetadataBuilder(model.dims, block_size=BLOCK, index_topk=topk)
+
+    def slots(row: int, positions: list[int]) -> torch.Tensor:
+        p = torch.tensor(positions)
+        return table[row, p // BLOCK].long() * BLOCK + p % BLOCK
+
+    for row, n in enumerate(prompt_lens):  # the prompts, one request at a time
+        meta = builder.build(BatchSpec([n], [n], table[row : row + 1], slots(row, list(range(n)))))
+        model(torch.randint(0, 97, (n,), generator=gen), torch.arange(n), caches, meta)
+    tokens = torch.randint(0, 97, (len(prompt_lens),), generator=gen)
+    positions = torch.tensor(prompt_lens)
+    spec = BatchSpec([1] * len(prompt_lens), [n + 1 for n in prompt_lens], table,
+                     torch.cat([slots(row, [n]) for row, n in enumerate(prompt_lens)]))
+    meta = builder.build(spec)
+    assert meta.sparse.dense == (max(spec.seq_lens) <= topk)
+    expected = model.compute_logits(model(tokens, positions, caches, meta)).double()
+
+    rows = len(prompt_lens) + 2
+    inputs = GraphInputs(rows, width + 3, caches[0].num_slots, num_blocks, torch.device("cpu"))
+    inputs.stage(rows, tokens, positions, spec, list(range(len(prompt_lens))))
+    graph_meta = graph_metadata(caches[0], inputs, rows, (width + 3) * BLOCK, topk=topk,
+                                width=width + 1)
+    assert graph_meta.sparse is not None and not graph_meta.sparse.dense
+    assert graph_meta.decode.block_table.shape == (rows, width + 1)
+    got = model.compute_logits(model(inputs.token_ids[:rows], inputs.positions[:rows], caches,
+                                     graph_meta)).double()
+    torch.testing.assert_close(got[: len(prompt_lens)], expected, rtol=0, atol=1e-4)
+    assert torch.isfinite(got).all()
 
 
 def test_the_selection_matters(checkpoint) -> None:
@@ -297,3 +356,36 @@ def test_triton_backend_matches_reference(checkpoint) -> None:
                     enforce_eager=True).generate(prompts, params, use_tqdm=False)
                for backend in ("reference", "triton")]
     assert_same_completions(*outputs, tol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_graphs_match_eager(checkpoint) -> None:
+    """Decode steps replayed from CUDA graphs (several batch sizes and block-table
+    widths; contexts within and past top-k) give the eager engine's greedy tokens and
+    logprobs within 1e-3 (float32, Triton kernels), with and without async scheduling."""
+    *_, path = checkpoint
+    prompts = _prompts(97, [3, 17, 40, 9, 30, 5], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    runs = []
+    for eager, ahead in ((True, False), (False, False), (False, True)):
+        llm = _llm(path, device="cuda", max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=128, enforce_eager=eager, async_scheduling=ahead)
+        graphs = llm.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.widths == [3, 12, 32]  # top-k 12 in blocks of 4, up to 128
+            replays = [0]
+            run = graphs.run
+
+            def counted(*args, run=run, replays=replays):
+                replays[0] += 1
+                return run(*args)
+
+            graphs.run = counted
+        short = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+        runs.append(llm.generate(prompts, params, use_tqdm=False)
+                    + llm.generate(_prompts(97, [2, 4], seed=12), short, use_tqdm=False))
+        assert eager or replays[0] > 0
+    for graphed in runs[1:]:
+        assert_same_completions(runs[0], graphed, tol=1e-3)

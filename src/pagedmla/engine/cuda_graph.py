@@ -7,6 +7,12 @@ attend to nothing). The decode metadata is captured with max_seq_len = max_model
 which bounds the kernels' grids, and the split plan is made on the device from each
 replay's lengths (its kernel is part of the graph): a graph captured with short
 contexts stays correct and fast when replayed with long or ragged ones.
+
+A sparse-attention model's graphs run the indexer and sparse attention for every row
+(`SparseMetadata.dense` False: a row whose context fits in top-k selects all of it, which
+is dense attention's result). The indexer scores every position its block table covers,
+so these graphs also come in block-table widths (`graph_widths`) and a replay takes the
+narrowest that holds the step's table.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ from collections.abc import Callable
 import torch
 
 from pagedmla.cache import LatentKVCache
-from pagedmla.metadata import BatchSpec, DecodeHook, DecodeMetadata, MLAMetadata
+from pagedmla.metadata import BatchSpec, DecodeHook, DecodeMetadata, MLAMetadata, SparseMetadata
+
+# Each captured block-table width of a sparse model's decode graphs is this many times the
+# one before it: a replay's indexer scores at most this many times the positions of the
+# step's widest table.
+WIDTH_STEP = 4
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -27,6 +38,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] < max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
+
+
+def graph_widths(max_blocks: int, block_size: int, topk: int | None) -> list[int]:
+    """Block-table widths (in blocks) to capture decode graphs at, ascending, max_blocks
+    last. Dense attention needs max_blocks alone: no kernel's work follows the table's
+    width. A sparse model's indexer scores and ranks every position of the table, so
+    its widths start at the first that holds topk positions and grow WIDTH_STEP times."""
+    widths = [max_blocks]
+    if topk is not None:
+        width = -(-topk // block_size)
+        while width < max_blocks:
+            widths.insert(-1, width)
+            width *= WIDTH_STEP
+    return widths
 
 
 def capture_each(
@@ -168,12 +193,23 @@ class GraphInputs:
 
 def graph_metadata(
     cache: LatentKVCache, inputs: GraphInputs, rows: int, max_model_len: int,
-    dcp: DecodeHook | None = None,
+    dcp: DecodeHook | None = None, topk: int | None = None, width: int | None = None,
 ) -> MLAMetadata:
     """The metadata a captured decode reads: `rows` single-token decodes over the first
-    rows of `inputs` (slots, seq_lens, block table), with max_seq_len = max_model_len,
-    for caches shaped like `cache`. Its slots are checked by whoever fills `inputs`
-    (max_slot -1 and max_block 0 here), since a replay writes wherever they point."""
+    rows of `inputs` (slots, seq_lens, the first `width` columns of the block table, all
+    by default), with max_seq_len = max_model_len (or what `width` blocks hold, if
+    fewer), for caches shaped like `cache`; with `topk`, the sparse batch of a
+    sparse-attention model whose indexer keeps topk positions, sparse for every row.
+    Its slots are checked by whoever fills `inputs` (max_slot -1 and max_block 0 here),
+    since a replay writes wherever they point."""
+    table = inputs.block_table[:rows, :width]
+    max_seq_len = min(max_model_len, table.shape[1] * cache.block_size)
+    seq_lens, query_start_loc = inputs.seq_lens[:rows], inputs.query_start_loc[: rows + 1]
+    sparse = None
+    if topk is not None:
+        sparse = SparseMetadata(block_table=table, seq_lens=seq_lens,
+                                query_start_loc=query_start_loc, max_seq_len=max_seq_len,
+                                topk=topk, dense=False)
     return MLAMetadata(
         num_tokens=rows,
         num_decodes=rows,
@@ -188,25 +224,29 @@ def graph_metadata(
         max_block=0,
         device=cache.device,
         decode=DecodeMetadata(
-            block_table=inputs.block_table[:rows],
-            seq_lens=inputs.seq_lens[:rows],
-            query_start_loc=inputs.query_start_loc[: rows + 1],
+            block_table=table,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=1,
-            max_seq_len=max_model_len,
+            max_seq_len=max_seq_len,
             dcp=dcp,
         ),
         prefill=None,
+        sparse=sparse,
     )
 
 
 class DecodeGraphs:
-    """Captured decode steps of `model` over `caches` for each size in `sizes`.
+    """Captured decode steps of `model` over `caches` for each size in `sizes` (and, for
+    a sparse-attention model whose indexer keeps `index_topk` positions, each of
+    `graph_widths`).
 
     `run(token_ids [B], positions [B], spec, sample_rows)` replays the smallest graph
-    with at least B rows and returns the logits [len(sample_rows), vocab] float32; spec
-    as this rank's kernels read it (`MLAMetadataBuilder.decode_spec`). Under decode
-    context parallelism `dcp` (the builder's decode hook) puts the query all-gather and
-    the partials' all-to-all into the graphs.
+    with at least B rows (and as wide as spec's block table at least) and returns the
+    logits [len(sample_rows), vocab] float32; spec as this rank's kernels read it
+    (`MLAMetadataBuilder.decode_spec`). Under decode context parallelism `dcp` (the
+    builder's decode hook) puts the query all-gather and the partials' all-to-all into
+    the graphs.
     """
 
     def __init__(
@@ -217,16 +257,20 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         dcp: DecodeHook | None = None,
+        index_topk: int | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         self.dcp = dcp
+        self.index_topk = index_topk
         cache = caches[0]
+        self.widths = graph_widths(max_blocks_per_seq, cache.block_size, index_topk)
         self.inputs = GraphInputs(self.sizes[-1], max_blocks_per_seq, cache.num_slots,
                                   cache.num_blocks, cache.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, width) -> the graph and its static logits
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
     @property
@@ -243,18 +287,21 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for rows in reversed(self.sizes):  # largest first: later graphs reuse its memory
-            meta = graph_metadata(self.caches[0], self.inputs, rows, self.max_model_len,
-                                  self.dcp)
-            args = (self.inputs.token_ids[:rows], self.inputs.positions[:rows], self.caches, meta)
-            # Warm-up outside the graph compiles kernels and builds lazy tables (RoPE).
-            self.model.compute_logits(self.model(*args))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(*args)).float()
-            pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
+        # Largest first: later graphs reuse its memory.
+        for width in reversed(self.widths):
+            for rows in reversed(self.sizes):
+                meta = graph_metadata(self.caches[0], self.inputs, rows, self.max_model_len,
+                                      self.dcp, self.index_topk, width)
+                args = (self.inputs.token_ids[:rows], self.inputs.positions[:rows],
+                        self.caches, meta)
+                # Warm-up outside the graph compiles kernels and builds lazy tables (RoPE).
+                self.model.compute_logits(self.model(*args))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(*args)).float()
+                pool = graph.pool()
+                self.graphs[rows, width] = (graph, logits)
         torch.cuda.synchronize()
 
     def run(
@@ -270,9 +317,11 @@ class DecodeGraphs:
         batch = token_ids.shape[0]
         rows = self.sizes[bisect.bisect_left(self.sizes, batch)]
         index = self.inputs.stage(rows, token_ids, positions, spec, sample_rows)
+        # stage refused a table wider than the widest graph
+        width = self.widths[bisect.bisect_left(self.widths, spec.block_table.shape[1])]
         if device_token_ids is not None:
             self.inputs.token_ids[:batch].copy_(device_token_ids)
-        graph, logits = self.graphs[rows]
+        graph, logits = self.graphs[rows, width]
         graph.replay()
         if sample_rows == list(range(len(sample_rows))):
             # Decode steps sample every row: a view of the static logits, no extra launch

@@ -318,11 +318,9 @@ class LLM:
         sizes in the same order, with the collectives inside the graphs (all-reduces,
         the logits' all-gather, DCP's query all-gather and partials' all-to-all), stages
         its own slots and cache lengths, and replays the size the driver's step picks.
-        Sparse-attention models run eagerly.
         """
         return (
             not enforce_eager
-            and self.config.indexer is None  # the indexer's top-k is not graph safe yet
             and self.device.type == "cuda"
             and get_backend(backend, self.device).graph_safe
         )
@@ -331,18 +329,21 @@ class LLM:
                         block_size: int) -> None:
         """Capture the runner's CUDA graphs: whole decode steps by batch size, and the
         pieces of other steps by token bucket, with the graphs of their decode rows'
-        and prompts' attention where decode context parallelism is off."""
+        and prompts' attention where decode context parallelism is off. A
+        sparse-attention model captures whole decode steps only (also by block-table
+        width, `cuda_graph.graph_widths`); its other steps run eagerly."""
         max_blocks = -(-self.max_model_len // block_size)
         invariant = self.args.batch_invariant  # its forwards are all of ROW_TILE tokens
+        indexer = self.config.indexer
         self.runner.graphs = DecodeGraphs(
             self.model, self.caches, [ROW_TILE] if invariant else capture_sizes(max_num_seqs),
             max_blocks_per_seq=max_blocks, max_model_len=self.max_model_len,
-            dcp=self.builder.decode_hook,
+            dcp=self.builder.decode_hook, index_topk=None if indexer is None else indexer.topk,
         )
         # Not methods of self: the runtime's finalizer must not keep the LLM alive.
         if self.parallel is not None:
             self.parallel.before_close(self.runner.graphs.release)
-        if self.args.compile or invariant:  # steps that run whole: no pieces
+        if self.args.compile or invariant or indexer is not None:  # no pieces
             return
         pieces = PiecewiseGraphs(self.model, self.caches,
                                  token_buckets(max_num_batched_tokens))
