@@ -14,9 +14,13 @@ with the step under torch.compile (`compiled_async`: `LLM(compile=True)`, whose 
 with prompts run the compiled step whole instead of piecewise graphs) or batch invariant
 (`invariant_async`: `LLM(batch_invariant=True)`). With
 `--tensor-parallel 2` the engine spawns a second rank (NCCL); `--dcp 2` adds decode
-context parallelism over the same two ranks.
+context parallelism over the same two ranks. `--sparse` puts DeepSeek-V3.2's attention
+(q LoRA, a lightning indexer per layer, top-k 2048) in place of V2-Lite's: its decode
+steps replay graphs per batch size and block-table width, its other steps run eagerly.
 
     python -m benchmarks.bench_engine --out engine.json
+    python -m benchmarks.bench_engine --sparse --batch 64 --prompt-len 4096 \
+        --modes eager,cuda_graphs_async --out engine_sparse.json
 
 `--arrivals N` also times steps that add one N-token prompt each to the decodes
 (continuous arrivals): mixed steps, planned ahead in the async mode as decode steps
@@ -45,10 +49,11 @@ from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
 BATCHED_TOKENS = 16384  # max_num_batched_tokens of the engines measured
 
 
-def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
+def bench_config(layers: int, hidden: int, moe: bool = False, sparse: bool = False) -> dict:
     """V2-Lite's attention and depth options; dense MLPs, or with `moe` V2-Lite's
     experts after the first layer (64 routed, top 6, greedy softmax routing, 2 shared,
-    1408 wide)."""
+    1408 wide); with `sparse` DeepSeek-V3.2's attention in place of V2-Lite's (q LoRA
+    1536, a lightning indexer per layer: 64 heads of 128, top-k 2048)."""
     config = tiny_config()
     config.update(
         vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -56,6 +61,10 @@ def bench_config(layers: int, hidden: int, moe: bool = False) -> dict:
         q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, max_position_embeddings=8192,
     )
+    if sparse:
+        config.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+                      q_lora_rank=1536, index_n_heads=64, index_head_dim=128,
+                      index_topk=2048, max_position_embeddings=16384)
     if moe:
         config.update(
             intermediate_size=10944, first_k_dense_replace=1, n_routed_experts=64,
@@ -216,6 +225,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--moe", action="store_true", help="V2-Lite's routed experts")
+    parser.add_argument("--sparse", action="store_true",
+                        help="DeepSeek-V3.2's attention (lightning indexer, top-k 2048)")
     parser.add_argument("--modes", default="eager,cuda_graphs,cuda_graphs_async",
                         help="comma-separated, of those, compiled_async and invariant_async")
     parser.add_argument("--arrivals", type=int, default=0,
@@ -224,7 +235,7 @@ def main() -> None:
     parser.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     parser.add_argument("--out", default="engine.json")
     args = parser.parse_args()
-    config = bench_config(args.layers, args.hidden, args.moe)
+    config = bench_config(args.layers, args.hidden, args.moe, args.sparse)
     # Room for every request's prompt and tokens (so that no step preempts), 4096 at least.
     block_size = 64
     per_request = -(-(args.prompt_len + 2 * args.steps + 8
@@ -260,7 +271,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
-          f"{args.layers} layers{' (MoE)' if args.moe else ''}, "
+          f"{args.layers} layers{' (MoE)' if args.moe else ''}"
+          f"{' (sparse attention)' if args.sparse else ''}, "
           f"TP {args.tensor_parallel}, DCP {args.dcp}, {results['gpu']}")
     print("| mode | step ms | host ms | host share | device span ms | GPU idle ms | idle share "
           "| tok/s | start-up s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -389,3 +389,27 @@ def test_decode_graphs_match_eager(checkpoint) -> None:
         assert eager or replays[0] > 0
     for graphed in runs[1:]:
         assert_same_completions(runs[0], graphed, tol=1e-3)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "block_fp8"])
+def test_the_tiny_writer_makes_sparse_checkpoints(tmp_path, fp8) -> None:
+    """`write_tiny_checkpoint` with a sparse model's config (as `bench_engine --sparse`
+    writes one) holds every tensor the model loads, the indexer's included: wq_b and wk
+    block-fp8 where the checkpoint is, weights_proj and k_norm wide."""
+    from pagedmla.models.tiny import tiny_config, write_tiny_checkpoint
+
+    config = {**tiny_config(), "model_type": "deepseek_v32", "index_n_heads": 4,
+              "index_head_dim": 32, "index_topk": 8}
+    directory = write_tiny_checkpoint(tmp_path, config=config, fp8=fp8)
+    tensors = {}
+    for shard in directory.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    indexer = "model.layers.0.self_attn.indexer"
+    assert tensors[f"{indexer}.wk.weight"].dtype == (
+        torch.float8_e4m3fn if fp8 else torch.float32)
+    assert tensors[f"{indexer}.weights_proj.weight"].dtype == torch.float32
+    assert (f"{indexer}.wk.weight_scale_inv" in tensors) == fp8
+    llm = _llm(directory)
+    assert all(c.index_keys is not None for c in llm.caches)
+    out = llm.generate([list(range(1, 20))], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

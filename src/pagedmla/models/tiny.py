@@ -95,7 +95,8 @@ def tiny_config() -> dict[str, Any]:
 
 
 def weight_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a DeepSeek-V2/V3 checkpoint for `config`.
+    """Hugging Face tensor names and shapes of a DeepSeek-V2/V3 checkpoint for `config`
+    (DeepSeek-V3.2 / GLM-5: with the lightning indexer of every layer that has one).
 
     Linear weights are [out_features, in_features]. The router bias
     (`e_score_correction_bias`) exists for the V3 (noaux_tc) router only.
@@ -117,6 +118,15 @@ def weight_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         kv_b_rows = heads * (c.qk_nope_head_dim + c.v_head_dim)
         shapes[f"{attn}.kv_b_proj.weight"] = (kv_b_rows, c.kv_lora_rank)
         shapes[f"{attn}.o_proj.weight"] = (h, heads * c.v_head_dim)
+        if c.indexer is not None and c.indexer.has_indexer(i):
+            x = c.indexer
+            shapes.update({
+                f"{attn}.indexer.wq_b.weight": (x.num_heads * x.head_dim, c.q_lora_rank),
+                f"{attn}.indexer.wk.weight": (x.head_dim, h),
+                f"{attn}.indexer.k_norm.weight": (x.head_dim,),
+                f"{attn}.indexer.k_norm.bias": (x.head_dim,),
+                f"{attn}.indexer.weights_proj.weight": (x.num_heads, h),
+            })
         mlp = f"model.layers.{i}.mlp"
         if c.is_moe_layer(i):
             shapes[f"{mlp}.gate.weight"] = (c.n_routed_experts, h)
@@ -163,6 +173,8 @@ def tiny_weights(
     for name, shape in weight_shapes(config).items():
         if name.endswith("e_score_correction_bias"):
             yield name, 0.05 * randn(shape)
+        elif name.endswith(".bias"):  # the indexer's k_norm
+            yield name, torch.zeros(shape, device=device)
         elif len(shape) == 1:
             yield name, torch.ones(shape, device=device)
         elif name == "model.embed_tokens.weight":
@@ -172,9 +184,11 @@ def tiny_weights(
 
 
 def _is_fp8_candidate(name: str, tensor: torch.Tensor) -> bool:
-    """Linear weights DeepSeek-V3 ships in fp8: not embeddings, the head or routers."""
+    """Linear weights DeepSeek-V3 ships in fp8: not embeddings, the head, routers or the
+    indexer's head weights."""
     excluded = ("model.embed_tokens.weight", "lm_head.weight")
-    return tensor.dim() == 2 and name not in excluded and not name.endswith("mlp.gate.weight")
+    return (tensor.dim() == 2 and name not in excluded
+            and not name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")))
 
 
 def _quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
