@@ -268,8 +268,8 @@ def main() -> None:
             llm.close()
             del llm
             torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+            with open(args.out, "w") as f:  # after each mode: a cut-short run keeps its modes
+                json.dump(results, f, indent=1)
     print(f"\nengine decode, batch {args.batch}, context ~{args.prompt_len}, "
           f"{args.layers} layers{' (MoE)' if args.moe else ''}"
           f"{' (sparse attention)' if args.sparse else ''}, "
